@@ -1,0 +1,17 @@
+"""torch-upd: see what your optimizer does.
+
+    import upd
+    with upd.record("run.h5", model, optimizer):
+        train()
+    upd.open_run("run.h5").ratios()     # update:data and grad:data ratios, a pandas DataFrame
+    upd.verify("run.h5")                 # replay the optimizer's math against the recorded updates
+"""
+__version__ = "0.1.0"
+
+from .recorder import Recorder, RecorderWarning, record  # noqa: E402
+from .analyzer import Run, RunFileError, open_run  # noqa: E402
+from .analyzer.verify import VerifyReport, verify  # noqa: E402
+from . import replay  # noqa: E402
+
+__all__ = ["record", "Recorder", "RecorderWarning", "open_run", "Run", "RunFileError", "verify", "VerifyReport",
+           "replay", "__version__"]

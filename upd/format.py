@@ -1,0 +1,125 @@
+"""The torch-upd run format: names, version, and the JSON/dtype conventions shared by writer and reader.
+
+Everything here is documented in docs/format.md; change both together and bump FORMAT_VERSION when a reader of
+the old version could misread a new file.
+"""
+from __future__ import annotations
+
+import json
+import math
+from typing import Any
+
+import numpy as np
+import torch
+
+FORMAT_NAME = "torch-upd run"
+FORMAT_VERSION = 1
+
+# Root attributes.
+ATTR_FORMAT = "format"
+ATTR_VERSION = "format_version"
+ATTR_META = "meta"
+
+# Tensor kinds stored per parameter (dataset names inside a parameter's group).
+KIND_PARAM = "param"  # parameter before optimizer.step()
+KIND_PARAM_AFTER = "param_after"  # parameter after optimizer.step()
+KIND_GRAD = "grad"  # gradient as the optimizer saw it
+STATE_GROUP = "state"  # optimizer state before the step, one dataset per state key
+STATE_PRESENT = "state_present"  # (rows, keys) uint8 mask: was this state key present at this row
+RECORD_INDEX = "record"  # (rows,) which record of the optimizer each row belongs to
+
+WHAT_CHOICES = ("param", "grad", "state")
+
+# Storage dtypes a user can choose. bfloat16 has no HDF5/numpy type: it is stored as its raw uint16 bits with the
+# attribute torch_dtype="bfloat16" (readers reinterpret the bits; see docs/format.md).
+STORAGE_DTYPES = ("keep", "float32", "float16", "bfloat16")
+
+MAX_META_BYTES = 16 * 1024 * 1024  # readers refuse larger JSON attributes rather than parse them
+
+
+def to_json(obj: Any) -> str:
+    return json.dumps(jsonable(obj), sort_keys=True, allow_nan=True)
+
+
+def from_json(text: Any) -> Any:
+    if isinstance(text, bytes):
+        text = text.decode("utf-8")
+    if not isinstance(text, str):
+        raise ValueError(f"expected a JSON string, found {type(text).__name__}")
+    if len(text) > MAX_META_BYTES:
+        raise ValueError(f"JSON attribute of {len(text)} bytes exceeds the {MAX_META_BYTES} byte limit")
+    return json.loads(text)
+
+
+def jsonable(value: Any) -> Any:
+    """Turn a hyperparameter or metadata value into plain JSON types.
+
+    Tensor hyperparameters (a tensor lr, tensor betas) become {"tensor": value, "dtype": ...} so a replay can tell
+    them apart from Python floats; anything else unknown becomes {"repr": ...} rather than failing the record.
+    """
+    if value is None or isinstance(value, (bool, int, str)):
+        return value
+    if isinstance(value, float):
+        return value
+    if isinstance(value, torch.Tensor):
+        data = value.detach().cpu()
+        return {"tensor": data.double().tolist() if data.is_floating_point() else data.tolist(),
+                "dtype": str(data.dtype).replace("torch.", "")}
+    if isinstance(value, (list, tuple)):
+        return [jsonable(v) for v in value]
+    if isinstance(value, dict):
+        return {str(k): jsonable(v) for k, v in value.items()}
+    if isinstance(value, torch.dtype):
+        return str(value).replace("torch.", "")
+    if isinstance(value, (np.floating, np.integer, np.bool_)):
+        return value.item()
+    return {"repr": repr(value)}
+
+
+def hparam_value(value: Any) -> Any:
+    """The numeric value of a JSON-encoded hyperparameter (tensor hyperparameters unwrapped to floats/lists)."""
+    if isinstance(value, dict) and "tensor" in value:
+        return value["tensor"]
+    if isinstance(value, list):
+        return [hparam_value(v) for v in value]
+    return value
+
+
+def is_tensor_hparam(value: Any) -> bool:
+    return isinstance(value, dict) and "tensor" in value
+
+
+def lr_of(group_hparams: dict) -> float:
+    lr = hparam_value(group_hparams.get("lr", math.nan))
+    try:
+        return float(lr)
+    except (TypeError, ValueError):
+        return math.nan
+
+
+def storage_numpy_dtype(torch_dtype: torch.dtype, storage: str) -> tuple[np.dtype, str]:
+    """(numpy dtype on disk, torch dtype name it represents) for a tensor of torch_dtype under a storage choice."""
+    if storage == "keep" or not torch_dtype.is_floating_point:
+        target = torch_dtype
+    else:
+        target = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}[storage]
+    if target == torch.bfloat16:
+        return np.dtype(np.uint16), "bfloat16"
+    return np.dtype(torch.empty((), dtype=target).numpy().dtype), str(target).replace("torch.", "")
+
+
+def tensor_to_numpy(tensor: torch.Tensor, torch_dtype_name: str) -> np.ndarray:
+    """CPU tensor -> numpy array in the storage encoding named by torch_dtype_name."""
+    target = getattr(torch, torch_dtype_name)
+    tensor = tensor.to(target)
+    if target == torch.bfloat16:
+        return tensor.view(torch.uint16).numpy()
+    return tensor.numpy()
+
+
+def numpy_to_tensor(array: np.ndarray, torch_dtype_name: str) -> torch.Tensor:
+    """Inverse of tensor_to_numpy."""
+    array = np.ascontiguousarray(array)
+    if torch_dtype_name == "bfloat16":
+        return torch.from_numpy(array.view(np.uint16).copy()).view(torch.bfloat16)
+    return torch.from_numpy(array.copy())

@@ -1,0 +1,315 @@
+"""The recorder: attaches to optimizers through torch's step pre/post hooks and writes what each step did."""
+from __future__ import annotations
+
+import fnmatch
+import os
+import platform
+import sys
+import time
+import warnings
+from typing import Iterable, Sequence
+
+import torch
+
+from .. import __version__
+from .. import format as fmt
+from .writer import ParamSnapshot, RecordSnapshot, RunWriter
+
+
+class RecorderWarning(UserWarning):
+    """The recorder stopped recording; training goes on."""
+
+
+def _class_path(cls: type) -> str:
+    return f"{cls.__module__}.{cls.__qualname__}"
+
+
+def _optimizer_class_name(optimizer: torch.optim.Optimizer) -> str:
+    cls = type(optimizer)
+    # torch.optim.Adam lives in torch.optim.adam; name it the way users write it when that is the same object.
+    public = getattr(torch.optim, cls.__name__, None)
+    return f"torch.optim.{cls.__name__}" if public is cls else _class_path(cls)
+
+
+def _group_hparams(group: dict) -> dict:
+    return {k: fmt.jsonable(v) for k, v in group.items() if k not in ("params", "param_names")}
+
+
+def _cpu_copy(tensor: torch.Tensor) -> torch.Tensor:
+    tensor = tensor.detach()
+    if tensor.is_sparse:
+        tensor = tensor.to_dense()
+    # .to(..., copy=True) always copies, so the snapshot cannot alias memory the optimizer updates in place.
+    return tensor.to("cpu", copy=True)
+
+
+def _initial_step(optimizer: torch.optim.Optimizer) -> int:
+    """Steps the optimizer already took (a resumed run), from its per-parameter 'step' state when it keeps one."""
+    steps = [int(s["step"]) for s in optimizer.state.values() if isinstance(s.get("step"), (int, float, torch.Tensor))
+             and (not isinstance(s.get("step"), torch.Tensor) or s["step"].numel() == 1)]
+    return max(steps, default=0)
+
+
+class Recorder:
+    """Records param groups, parameters before/after, gradients and optimizer state at each optimizer step.
+
+    Use ``upd.record(...)`` to make one. See its docstring for the options.
+    """
+
+    def __init__(self, path, model=None, optimizer=None, *, every: int = 1, include=None, exclude=None,
+                 what: Sequence[str] = fmt.WHAT_CHOICES, dtype: str = "keep", compression=None,
+                 overwrite: bool = False, strict: bool = False):
+        if optimizer is None:
+            raise TypeError("upd.record needs the optimizer (or a list of optimizers) to watch")
+        optimizers = list(optimizer) if isinstance(optimizer, (list, tuple)) else [optimizer]
+        for opt in optimizers:
+            if not isinstance(opt, torch.optim.Optimizer):
+                raise TypeError(f"expected a torch.optim.Optimizer, got {type(opt).__name__}")
+        if not isinstance(every, int) or every < 1:
+            raise ValueError(f"every must be a positive integer, got {every!r}")
+        what = (what,) if isinstance(what, str) else tuple(what)
+        unknown = set(what) - set(fmt.WHAT_CHOICES)
+        if unknown:
+            raise ValueError(f"what= accepts {fmt.WHAT_CHOICES}, got {sorted(unknown)}")
+        if dtype not in fmt.STORAGE_DTYPES:
+            raise ValueError(f"dtype= must be one of {fmt.STORAGE_DTYPES}, got {dtype!r}")
+        if compression not in (None, "gzip", "lzf"):
+            raise ValueError(f"compression= must be None, 'gzip' or 'lzf', got {compression!r}")
+
+        self.path = os.fspath(path)
+        self.optimizers = optimizers
+        self.every = every
+        self.include = [include] if isinstance(include, str) else list(include or [])
+        self.exclude = [exclude] if isinstance(exclude, str) else list(exclude or [])
+        self.what = what
+        self.strict = strict
+        self.active = False
+        self.error: BaseException | None = None
+
+        self._model_names = {}
+        if model is not None:
+            # named_parameters() already drops duplicates: a tied parameter is recorded once, under its first name.
+            self._model_names = {id(p): n for n, p in model.named_parameters()}
+        self._handles = []
+        self._pending: dict[int, RecordSnapshot] = {}
+        self._steps_done = [_initial_step(opt) for opt in optimizers]
+        self._records = [0] * len(optimizers)
+        self._backward_counts: dict[int, int] = {}
+        self._hooked_params: set[int] = set()
+        self._names: list[dict[int, str]] = [dict() for _ in optimizers]
+
+        meta = {
+            "upd_version": __version__,
+            "torch_version": torch.__version__,
+            "python_version": platform.python_version(),
+            "platform": platform.platform(),
+            "created_unix": time.time(),
+            "argv": list(sys.argv),
+            "options": {"every": every, "include": self.include, "exclude": self.exclude, "what": list(what),
+                        "dtype": dtype, "compression": compression},
+            "optimizer_count": len(optimizers),
+        }
+        self._writer = RunWriter(self.path, meta, overwrite=overwrite, storage_dtype=dtype, compression=compression)
+        try:
+            for i, opt in enumerate(optimizers):
+                self._writer.add_optimizer(i, {
+                    "class": _optimizer_class_name(opt),
+                    "mro": [_class_path(c) for c in type(opt).__mro__ if issubclass(c, torch.optim.Optimizer)],
+                    "defaults": fmt.jsonable({k: v for k, v in opt.defaults.items() if k != "params"}),
+                    "initial_step": self._steps_done[i],
+                })
+                self._handles.append(opt.register_step_pre_hook(self._make_pre_hook(i)))
+                self._handles.append(opt.register_step_post_hook(self._make_post_hook(i)))
+            if model is not None:
+                optimized = {id(p) for opt in optimizers for g in opt.param_groups for p in g["params"]}
+                self._writer.set_attr("params_not_optimized",
+                                      [n for n, p in model.named_parameters() if id(p) not in optimized])
+        except BaseException:
+            self._remove_hooks()
+            self._writer.close()
+            raise
+        self.active = True
+
+    # -- naming and selection ---------------------------------------------------------------------------------
+    def _param_name(self, opt_index: int, group_index: int, index_in_group: int, param, group: dict) -> str:
+        names = self._names[opt_index]
+        if id(param) in names:
+            return names[id(param)]
+        name = self._model_names.get(id(param))
+        if name is None and "param_names" in group and index_in_group < len(group["param_names"]):
+            name = group["param_names"][index_in_group]
+        if name is None:
+            name = f"group{group_index}.param{index_in_group}"
+        # '/' separates HDF5 path components, so it cannot appear in a dataset name.
+        name = name.replace("/", "|")
+        if name in names.values():
+            name = f"{name}#{len(names)}"
+        names[id(param)] = name
+        return name
+
+    def _selected(self, name: str) -> bool:
+        if self.include and not any(fnmatch.fnmatchcase(name, pat) for pat in self.include):
+            return False
+        return not any(fnmatch.fnmatchcase(name, pat) for pat in self.exclude)
+
+    # -- backward-pass counting -------------------------------------------------------------------------------
+    def _hook_backward_counter(self, param: torch.Tensor) -> None:
+        # Counting backward passes per parameter shows gradient accumulation and steps skipped by GradScaler
+        # (backward passes that were followed by no optimizer step), which the optimizer's own counters cannot.
+        if id(param) in self._hooked_params or not param.requires_grad or not param.is_leaf:
+            return
+        key = id(param)
+        self._hooked_params.add(key)
+        self._backward_counts[key] = 0
+
+        def count(_param, key=key):
+            self._backward_counts[key] += 1
+
+        self._handles.append(param.register_post_accumulate_grad_hook(count))
+
+    # -- hooks ------------------------------------------------------------------------------------------------
+    def _make_pre_hook(self, opt_index: int):
+        def pre_hook(optimizer, args, kwargs):
+            if self.active:
+                self._guard(self._before_step, opt_index, optimizer)
+        return pre_hook
+
+    def _make_post_hook(self, opt_index: int):
+        def post_hook(optimizer, args, kwargs):
+            if self.active:
+                self._guard(self._after_step, opt_index, optimizer)
+        return post_hook
+
+    def _guard(self, fn, *args) -> None:
+        try:
+            fn(*args)
+        except Exception as exc:  # never take training down with the recorder
+            self._fail(exc)
+
+    def _fail(self, exc: BaseException) -> None:
+        self.error = exc
+        self.active = False
+        self._remove_hooks()
+        try:
+            self._writer.close()
+        except Exception:
+            pass
+        if self.strict:
+            raise exc
+        warnings.warn(f"torch-upd: recording to {self.path} stopped ({type(exc).__name__}: {exc}); "
+                      "training continues. Pass strict=True to raise instead.", RecorderWarning, stacklevel=4)
+
+    def _before_step(self, opt_index: int, optimizer: torch.optim.Optimizer) -> None:
+        self._pending.pop(opt_index, None)  # a step that raised never reached its post-hook
+        step = self._steps_done[opt_index]
+        for g, group in enumerate(optimizer.param_groups):
+            for i, p in enumerate(group["params"]):
+                self._param_name(opt_index, g, i, p, group)
+                self._hook_backward_counter(p)
+        if step % self.every:
+            return
+        names = self._names[opt_index]
+        snaps = []
+        for g, group in enumerate(optimizer.param_groups):
+            for i, p in enumerate(group["params"]):
+                name = names[id(p)]
+                # The optimizer skips a parameter without a gradient, so there is nothing to record for it.
+                if p.grad is None or not self._selected(name):
+                    continue
+                snap = ParamSnapshot(name=name, group=g, index_in_group=i)
+                if "param" in self.what:
+                    snap.param = _cpu_copy(p)
+                if "grad" in self.what:
+                    snap.grad = _cpu_copy(p.grad)
+                if "state" in self.what:
+                    snap.state = self._state_snapshot(optimizer.state.get(p, {}))
+                snap.param_after = p  # replaced by a copy in the post-hook
+                snaps.append(snap)
+        backward = max((self._backward_counts.get(id(p), 0) for g in optimizer.param_groups for p in g["params"]),
+                       default=0)
+        self._pending[opt_index] = RecordSnapshot(
+            optimizer=opt_index, step=step, backward_pass=backward, wall_time=time.time(),
+            hparams=[_group_hparams(g) for g in optimizer.param_groups], params=snaps)
+
+    @staticmethod
+    def _state_snapshot(state: dict) -> dict:
+        out = {}
+        for key, value in state.items():
+            if isinstance(value, torch.Tensor):
+                out[str(key)] = _cpu_copy(value)
+            elif isinstance(value, (bool, int, float)):
+                out[str(key)] = torch.tensor(float(value), dtype=torch.float64)
+            # Other state (LBFGS's lists of history tensors, None buffers) has no fixed tensor shape to store.
+        return out
+
+    def _after_step(self, opt_index: int, optimizer: torch.optim.Optimizer) -> None:
+        self._steps_done[opt_index] += 1
+        rec = self._pending.pop(opt_index, None)
+        if rec is None:
+            return
+        for snap in rec.params:
+            snap.param_after = _cpu_copy(snap.param_after) if "param" in self.what else None
+        self._writer.write(rec)
+        self._records[opt_index] += 1
+
+    # -- lifetime ---------------------------------------------------------------------------------------------
+    def _remove_hooks(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
+
+    @property
+    def records(self) -> int:
+        """Records committed so far, over all optimizers."""
+        return sum(self._records)
+
+    def close(self) -> None:
+        """Remove every hook and close the file. Safe to call twice."""
+        was_active = self.active
+        self.active = False
+        self._remove_hooks()
+        self._pending.clear()
+        if was_active:
+            try:
+                self._writer.close()
+            except Exception as exc:
+                if self.strict:
+                    raise
+                warnings.warn(f"torch-upd: closing {self.path} failed: {exc}", RecorderWarning, stacklevel=2)
+
+    def __enter__(self) -> "Recorder":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        state = "recording" if self.active else "closed"
+        return f"<upd.Recorder {self.path!r} {state}, {self.records} records>"
+
+
+def record(path, model=None, optimizer=None, **options) -> Recorder:
+    """Record what ``optimizer.step()`` does, to one HDF5 file, without changing the training loop.
+
+    ::
+
+        with upd.record("runs/exp1.h5", model, optimizer):
+            train()
+
+    Args:
+        path: the run file to create. An existing file is refused unless ``overwrite=True``.
+        model: optional ``nn.Module``; parameter names come from ``model.named_parameters()``. Without it names
+            come from the optimizer's ``param_names`` (when built from ``named_parameters()``), else
+            ``group{g}.param{i}``.
+        optimizer: a ``torch.optim.Optimizer`` or a list of them.
+        every: record every N-th optimizer step (default 1: every step).
+        include / exclude: glob pattern(s) on parameter names, e.g. ``include="*.weight"``.
+        what: subset of ``("param", "grad", "state")`` to store (default all three).
+        dtype: storage dtype: ``"keep"`` (default, exact), ``"float32"``, ``"float16"`` or ``"bfloat16"``.
+            Smaller storage limits what ``upd verify`` can prove; its report says by how much.
+        compression: ``None`` (default: float32 weights barely compress and it costs 2.5-35x write time),
+            ``"lzf"`` or ``"gzip"``.
+        overwrite: replace an existing file.
+        strict: raise recorder errors instead of warning once and stopping recording.
+    """
+    return Recorder(path, model, optimizer, **options)

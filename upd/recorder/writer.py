@@ -1,0 +1,181 @@
+"""HDF5 writing for the recorder: one file per run, datasets created lazily, every record committed with a flush.
+
+Commit protocol (measured to survive SIGKILL, see ../shared/notes/hdf5-measurements.md and docs/format.md): all rows
+of a record are written and flushed first; only then is the record's entry appended to the optimizer's
+``records/step`` dataset and the file flushed again. Readers trust ``len(records/step)`` and nothing beyond it.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+
+import h5py
+import numpy as np
+import torch
+
+from .. import format as fmt
+
+
+@dataclass
+class ParamSnapshot:
+    """What one parameter looked like to the optimizer at one record (CPU copies)."""
+
+    name: str
+    group: int
+    index_in_group: int
+    param: torch.Tensor | None = None
+    grad: torch.Tensor | None = None
+    state: dict = field(default_factory=dict)  # key -> CPU tensor (0-d for scalars)
+    param_after: torch.Tensor | None = None
+
+
+@dataclass
+class RecordSnapshot:
+    optimizer: int
+    step: int
+    backward_pass: int
+    wall_time: float
+    hparams: list  # one JSON-able dict per param group
+    params: list  # ParamSnapshot
+
+
+def _chunks(shape: tuple) -> tuple:
+    # Record axis first with one record per chunk: a parameter's full history is one contiguous slice and a row
+    # write touches exactly one chunk. HDF5 caps a chunk at 4 GiB; split the leading tensor dim if needed.
+    limit = 2**31 // 8
+    inner = list(shape)
+    while inner and int(np.prod(inner)) > limit:
+        inner[0] = max(1, inner[0] // 2)
+    return (1, *inner)
+
+
+class RunWriter:
+    def __init__(self, path: str, meta: dict, *, overwrite: bool, storage_dtype: str, compression):
+        self.path = os.fspath(path)
+        self.storage_dtype = storage_dtype
+        self.compression = compression
+        mode = "w" if overwrite else "w-"
+        try:
+            self.file = h5py.File(self.path, mode)
+        except FileExistsError:
+            raise FileExistsError(f"{self.path} exists; pass overwrite=True to replace it") from None
+        self.file.attrs[fmt.ATTR_FORMAT] = fmt.FORMAT_NAME
+        self.file.attrs[fmt.ATTR_VERSION] = fmt.FORMAT_VERSION
+        self.file.attrs[fmt.ATTR_META] = fmt.to_json(meta)
+        self.file.create_group("optimizers")
+        self.file.flush()
+        self._records_written: dict[int, int] = {}
+
+    # -- structure -------------------------------------------------------------------------------------------
+    def add_optimizer(self, index: int, meta: dict) -> None:
+        grp = self.file["optimizers"].create_group(str(index))
+        grp.attrs[fmt.ATTR_META] = fmt.to_json(meta)
+        rec = grp.create_group("records")
+        rec.create_dataset("step", shape=(0,), maxshape=(None,), dtype="i8", chunks=(1024,))
+        rec.create_dataset("backward_pass", shape=(0,), maxshape=(None,), dtype="i8", chunks=(1024,))
+        rec.create_dataset("wall_time", shape=(0,), maxshape=(None,), dtype="f8", chunks=(1024,))
+        rec.create_dataset("lr", shape=(0, 0), maxshape=(None, None), dtype="f8", chunks=(256, 8),
+                           fillvalue=np.nan)
+        rec.create_dataset("hparams", shape=(0,), maxshape=(None,), dtype=h5py.string_dtype(), chunks=(256,))
+        grp.create_group("params")
+        self._records_written[index] = 0
+        self.file.flush()
+
+    def _param_group(self, optimizer: int, snap: ParamSnapshot) -> h5py.Group:
+        params = self.file["optimizers"][str(optimizer)]["params"]
+        if snap.name in params:
+            return params[snap.name]
+        grp = params.create_group(snap.name)
+        reference = snap.param if snap.param is not None else snap.grad if snap.grad is not None else snap.param_after
+        grp.attrs[fmt.ATTR_META] = fmt.to_json({
+            "name": snap.name,
+            "group": snap.group,
+            "index_in_group": snap.index_in_group,
+            "shape": list(reference.shape) if reference is not None else None,
+            "dtype": str(reference.dtype).replace("torch.", "") if reference is not None else None,
+        })
+        grp.create_dataset(fmt.RECORD_INDEX, shape=(0,), maxshape=(None,), dtype="i8", chunks=(1024,))
+        st = grp.create_group(fmt.STATE_GROUP)
+        st.attrs["keys"] = fmt.to_json([])
+        grp.create_dataset(fmt.STATE_PRESENT, shape=(0, 0), maxshape=(None, None), dtype="u1", chunks=(256, 8))
+        return grp
+
+    def _tensor_dataset(self, grp: h5py.Group, name: str, tensor: torch.Tensor, rows: int) -> h5py.Dataset:
+        if name in grp:
+            return grp[name]
+        np_dtype, stored_as = fmt.storage_numpy_dtype(tensor.dtype, self.storage_dtype)
+        shape = tuple(tensor.shape)
+        ds = grp.create_dataset(name, shape=(rows, *shape), maxshape=(None, *shape), dtype=np_dtype,
+                                chunks=_chunks(shape) if shape else (1024,),
+                                compression=self.compression if shape else None)
+        ds.attrs["torch_dtype"] = stored_as
+        ds.attrs["source_dtype"] = str(tensor.dtype).replace("torch.", "")
+        return ds
+
+    # -- writing ---------------------------------------------------------------------------------------------
+    @staticmethod
+    def _append(ds: h5py.Dataset, row: int, value) -> None:
+        if ds.shape[0] <= row:
+            ds.resize(row + 1, axis=0)
+        ds[row] = value
+
+    def _write_tensor(self, ds: h5py.Dataset, row: int, tensor: torch.Tensor) -> None:
+        array = fmt.tensor_to_numpy(tensor, ds.attrs["torch_dtype"])
+        self._append(ds, row, array)
+
+    def write(self, rec: RecordSnapshot) -> None:
+        opt = self.file["optimizers"][str(rec.optimizer)]
+        record = self._records_written[rec.optimizer]
+        for snap in rec.params:
+            grp = self._param_group(rec.optimizer, snap)
+            row = grp[fmt.RECORD_INDEX].shape[0]
+            for kind, tensor in ((fmt.KIND_PARAM, snap.param), (fmt.KIND_GRAD, snap.grad),
+                                 (fmt.KIND_PARAM_AFTER, snap.param_after)):
+                if tensor is not None:
+                    self._write_tensor(self._tensor_dataset(grp, kind, tensor, row), row, tensor)
+            if snap.state:
+                self._write_state(grp, row, snap.state)
+            elif grp[fmt.STATE_PRESENT].shape[1]:
+                self._append(grp[fmt.STATE_PRESENT], row, np.zeros(grp[fmt.STATE_PRESENT].shape[1], "u1"))
+            self._append(grp[fmt.RECORD_INDEX], row, record)
+
+        rec_grp = opt["records"]
+        self._append(rec_grp["backward_pass"], record, rec.backward_pass)
+        self._append(rec_grp["wall_time"], record, rec.wall_time)
+        self._append(rec_grp["hparams"], record, fmt.to_json(rec.hparams))
+        lr = rec_grp["lr"]
+        if lr.shape[1] < len(rec.hparams):
+            lr.resize(len(rec.hparams), axis=1)
+        lr_row = np.full(lr.shape[1], np.nan)
+        lr_row[: len(rec.hparams)] = [fmt.lr_of(g) for g in rec.hparams]
+        self._append(lr, record, lr_row)
+        self.file.flush()
+        # The commit: a record exists for readers once its step is appended, and only after its rows are durable.
+        self._append(rec_grp["step"], record, rec.step)
+        self.file.flush()
+        self._records_written[rec.optimizer] = record + 1
+
+    def _write_state(self, grp: h5py.Group, row: int, state: dict) -> None:
+        st = grp[fmt.STATE_GROUP]
+        keys = fmt.from_json(st.attrs["keys"])
+        for key in state:
+            if key not in keys:
+                keys.append(key)
+        present_ds = grp[fmt.STATE_PRESENT]
+        if present_ds.shape[1] < len(keys):
+            present_ds.resize(len(keys), axis=1)
+            st.attrs["keys"] = fmt.to_json(keys)
+        present = np.zeros(len(keys), "u1")
+        for i, key in enumerate(keys):
+            if key in state:
+                self._write_tensor(self._tensor_dataset(st, key, state[key], row), row, state[key])
+                present[i] = 1
+        self._append(present_ds, row, present)
+
+    def set_attr(self, name: str, value) -> None:
+        self.file.attrs[name] = fmt.to_json(value)
+
+    def close(self) -> None:
+        if self.file.id.valid:
+            self.file.flush()
+            self.file.close()
