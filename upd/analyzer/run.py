@@ -255,6 +255,26 @@ class Run:
     def size_bytes(self) -> int:
         return os.path.getsize(self.path)
 
+    def describe(self) -> dict:
+        """What the file holds, as plain data (what `upd info` prints)."""
+        optimizers = []
+        for opt in self.optimizers:
+            steps = opt.step
+            optimizers.append({
+                "index": opt.index, "class": opt.class_name, "records": opt.num_records,
+                "first_step": int(steps[0]) if len(steps) else None,
+                "last_step": int(steps[-1]) if len(steps) else None,
+                "param_groups": int(opt.lr.shape[1]) if opt.lr.ndim == 2 else 0,
+                "defaults": opt.meta.get("defaults", {}),
+                "params": [{"name": p.name, "shape": list(p.shape), "dtype": p.dtype, "group": p.param_group,
+                            "rows": p.rows, "kinds": p.kinds, "state": p.state_keys,
+                            "stored_as": p.storage_dtype()} for p in opt.params.values()],
+            })
+        return {"path": self.path, "size_bytes": self.size_bytes, "format_version": self.format_version,
+                "torch_version": self.torch_version, "upd_version": self.meta.get("upd_version"),
+                "created_unix": self.meta.get("created_unix"), "options": self.options,
+                "params_not_optimized": self.params_not_optimized, "optimizers": optimizers}
+
     # -- analysis ---------------------------------------------------------------------------------------------
     def ratios(self, block_bytes: int = DEFAULT_BLOCK_BYTES) -> pd.DataFrame:
         """Tidy DataFrame, one row per (optimizer, param, record): update:data and grad:data ratios and norms.

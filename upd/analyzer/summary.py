@@ -1,0 +1,95 @@
+"""Per-parameter health summary of the update:data ratio.
+
+Karpathy's rule of thumb (makemore part 3): log10(std(update)/std(weight)) near -3 is healthy. Much higher (above
+-1.5 by default) means each step rewrites a large fraction of the weight (lr too high or a badly scaled layer);
+much lower (below -4.5) means the weight barely moves (lr too low, vanishing gradients, a dead layer).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import pandas as pd
+
+SUMMARY_COLUMNS = ["optimizer", "param", "shape", "records", "latest_update_to_data", "median_update_to_data",
+                   "latest_grad_to_data", "median_grad_to_data", "nonfinite_grad_steps", "first_nonfinite_step",
+                   "status"]
+
+
+@dataclass(frozen=True)
+class Thresholds:
+    """Bounds on the median update:data ratio (log10) outside which a weight is flagged."""
+
+    high: float = -1.5
+    low: float = -4.5
+    target: float = -3.0
+
+    def __post_init__(self):
+        if not self.low < self.high:
+            raise ValueError(f"low threshold ({self.low}) must be below high ({self.high})")
+
+
+def is_weight(shape) -> bool:
+    """Weights are the matrices and kernels (ndim >= 2), the tensors Karpathy's plot shows; biases and norm
+    scales are summarised but not judged, since their ratios are not expected to sit near -3."""
+    return len(tuple(shape)) >= 2
+
+
+def status_of(median: float, shape, thresholds: Thresholds) -> str:
+    if not is_weight(shape):
+        return "n/a (not a weight)"
+    if not np.isfinite(median):
+        return "n/a (no finite ratio)"
+    if median > thresholds.high:
+        return "HIGH"
+    if median < thresholds.low:
+        return "LOW"
+    return "ok"
+
+
+def _finite_median(values: pd.Series) -> float:
+    finite = values[np.isfinite(values)]
+    return float(finite.median()) if len(finite) else float("nan")
+
+
+def _finite_last(values: pd.Series) -> float:
+    finite = values[np.isfinite(values)]
+    return float(finite.iloc[-1]) if len(finite) else float("nan")
+
+
+def summarize(ratios: pd.DataFrame, params: pd.DataFrame, thresholds: Thresholds = Thresholds()) -> pd.DataFrame:
+    """One row per parameter: latest and median ratios over all records, NaN/Inf gradient steps, and a status
+    (ok / HIGH / LOW / n/a) judged on the median update:data ratio."""
+    shapes = {(r.optimizer, r.param): tuple(r.shape) for r in params.itertuples()}
+    rows = []
+    for (opt, name), df in ratios.groupby(["optimizer", "param"], sort=False):
+        df = df.sort_values("record")
+        median = _finite_median(df["update_to_data"])
+        bad = df[df["grad_nonfinite"] > 0]
+        shape = shapes.get((opt, name), ())
+        rows.append({
+            "optimizer": opt, "param": name, "shape": "x".join(map(str, shape)) or "scalar", "records": len(df),
+            "latest_update_to_data": _finite_last(df["update_to_data"]), "median_update_to_data": median,
+            "latest_grad_to_data": _finite_last(df["grad_to_data"]),
+            "median_grad_to_data": _finite_median(df["grad_to_data"]),
+            "nonfinite_grad_steps": len(bad), "first_nonfinite_step": int(bad["step"].min()) if len(bad) else None,
+            "status": status_of(median, shape, thresholds),
+        })
+    return pd.DataFrame(rows, columns=SUMMARY_COLUMNS)
+
+
+_SHORT = {"latest_update_to_data": "update:data", "median_update_to_data": "median", "latest_grad_to_data": "grad:data",
+          "median_grad_to_data": "median ", "nonfinite_grad_steps": "NaN/Inf steps", "first_nonfinite_step": "first"}
+
+
+def format_summary(summary: pd.DataFrame) -> str:
+    """The summary as an aligned text table, ratios to 2 decimals (update:data and grad:data are the latest
+    values, each followed by its median over all records)."""
+    if summary.empty:
+        return "(no recorded parameters)"
+    shown = summary.drop(columns=["optimizer"]) if summary["optimizer"].nunique() == 1 else summary
+    shown = shown.copy()
+    shown["first_nonfinite_step"] = shown["first_nonfinite_step"].map(lambda v: "-" if v is None or v != v
+                                                                      else str(int(v)))
+    shown = shown.rename(columns=_SHORT)
+    return shown.to_string(index=False, float_format=lambda v: f"{v:.2f}", na_rep="nan")

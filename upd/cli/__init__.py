@@ -1,0 +1,4 @@
+"""Command line interface: `upd info|analyze|verify|demo`."""
+from .main import main
+
+__all__ = ["main"]
