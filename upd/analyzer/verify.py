@@ -202,29 +202,41 @@ def _verify_optimizer(run: Run, opt, rtol, ulps, rows: list, problems: list, not
             if reduced and scale > 0:
                 limits.append(float(tolerance(after, scale, eps=eps, ulps=rule_ulps, rtol=eff_rtol).median())
                               / float(update.abs().median().clamp_min(1e-30)))
-            state_ratio = _check_next_state(p, opt, row, record, replayed.state, eps, rule_ulps, eff_rtol) \
-                if state_recorded else None
+            nxt = _next_row(p, opt, row, record)
+            state_ratio = None
+            continuous = True
+            if nxt is not None:
+                if state_recorded:
+                    state_ratio = _state_error(p.state_at(nxt), replayed.state, eps, rule_ulps, eff_rtol)
+                # Nothing but the optimizer should touch a parameter between two consecutive steps.
+                continuous = bool((elementwise_error(p.read(fmt.KIND_PARAM, nxt).double(), after) == 0).all())
             if state_ratio is not None:
                 check.update(state_checked=True, state_err_to_tol=state_ratio)
             param_ok = ratio <= 1.0
             state_ok = state_ratio is None or state_ratio <= 1.0
-            check["status"] = "match" if param_ok and state_ok else "mismatch"
+            check["status"] = "match" if param_ok and state_ok and continuous else "mismatch"
             if not param_ok:
                 check["note"] = "recorded update differs from the replayed one"
             elif not state_ok:
                 check["note"] = "next record's optimizer state differs from the replayed state"
+            elif not continuous:
+                check["note"] = "parameter changed outside the optimizer before the next step"
         if limits:
             limits.sort()
             notes.append(f"{p.name}: stored as {p.storage_dtype(fmt.KIND_PARAM_AFTER)}, so each element is "
                          f"verified only to about {limits[len(limits) // 2]:.2g}x its own update size")
 
 
-def _check_next_state(p, opt, row, record, replayed_state: dict, eps, ulps, rtol) -> float | None:
-    """Compare the replayed state with the state recorded at the very next optimizer step, if there is one."""
+def _next_row(p, opt, row: int, record: int) -> int | None:
+    """The row of the very next optimizer step for this parameter, if it was recorded."""
     nxt = row + 1
     if nxt >= p.rows or int(p.records[nxt]) != record + 1 or int(opt.step[record + 1]) != int(opt.step[record]) + 1:
         return None
-    recorded = p.state_at(nxt)
+    return nxt
+
+
+def _state_error(recorded: dict, replayed_state: dict, eps, ulps, rtol) -> float | None:
+    """Worst error/tolerance of the replayed state against the state recorded at the next step."""
     worst = None
     for key, value in replayed_state.items():
         if key not in recorded:

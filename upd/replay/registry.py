@@ -41,7 +41,7 @@ class ReplayRule:
 _RULES: dict[str, ReplayRule] = {}
 
 DEFAULT_RTOL = 1e-5
-DEFAULT_ULPS = 2.0
+DEFAULT_ULPS = 4.0
 
 
 def class_path(cls: Union[type, str]) -> str:

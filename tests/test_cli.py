@@ -1,0 +1,111 @@
+"""The `upd` command as a user runs it: real subprocesses for exit codes and output, CliRunner for speed."""
+import json
+import os
+import subprocess
+import sys
+
+import h5py
+import pytest
+from click.testing import CliRunner
+
+from upd.cli.main import main
+
+from conftest import SAMPLE_RUNS
+
+ADAM = [p for p in SAMPLE_RUNS if p.endswith("/adam.h5")][0]
+
+
+def run_cli(*args):
+    result = CliRunner().invoke(main, list(args), catch_exceptions=False)
+    return result.exit_code, result.output
+
+
+@pytest.mark.parametrize("command", [[], ["info"], ["analyze"], ["verify"], ["demo"]])
+def test_every_help_reads(command):
+    code, out = run_cli(*command, "--help")
+    assert code == 0
+    assert "Usage: main" in out or "Usage: upd" in out
+    if command:
+        assert len(out.splitlines()) > 5
+
+
+def test_main_help_documents_exit_codes():
+    code, out = run_cli("--help")
+    for line in ("0  success", "1  verify", "2  unusable input", "3  verify: nothing verifiable"):
+        assert line in out
+
+
+def test_console_script_runs_as_a_user_would(tmp_path):
+    """The installed `upd` entry point: analyze a non-HDF5 file -> exactly one line on stderr and exit 2."""
+    bad = tmp_path / "notes.txt"
+    bad.write_text("not a run\n")
+    proc = subprocess.run([sys.executable, "-m", "upd", "analyze", str(bad)], capture_output=True, text=True)
+    assert proc.returncode == 2
+    assert proc.stdout == ""
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and str(bad) in lines[0] and "Traceback" not in proc.stderr
+
+
+@pytest.mark.parametrize("command", ["info", "analyze", "verify"])
+def test_bad_inputs_one_line_exit_2(tmp_path, command):
+    other_hdf5 = tmp_path / "other.h5"
+    with h5py.File(other_hdf5, "w") as f:
+        f["x"] = [1, 2, 3]
+    empty = tmp_path / "empty.h5"
+    empty.write_bytes(b"")
+    for path, words in ((tmp_path / "missing.h5", "no such file"), (tmp_path, "directory"),
+                        (other_hdf5, "not a torch-upd run"), (empty, "empty")):
+        result = CliRunner().invoke(main, [command, str(path)])
+        assert result.exit_code == 2, (command, path, result.output)
+        assert words in result.output and result.output.count("\n") == 1
+        assert result.exception is None or isinstance(result.exception, SystemExit)
+
+
+def test_info_lists_optimizer_groups_and_params():
+    code, out = run_cli("info", [p for p in SAMPLE_RUNS if "adamw" in p][0])
+    assert code == 0
+    assert "torch.optim.AdamW, 2 param group(s), 20 records (steps 0..19)" in out
+    assert "fc1.weight" in out and "20x64" in out and "exp_avg_sq" in out
+    code, out = run_cli("info", "--json", ADAM)
+    desc = json.loads(out)
+    assert desc["format_version"] == 1 and desc["optimizers"][0]["records"] == 20
+
+
+def test_analyze_writes_plots_tables_and_flags(tmp_path):
+    out_dir = tmp_path / "analysis"
+    csv = tmp_path / "ratios.csv"
+    code, out = run_cli("analyze", ADAM, "--out", str(out_dir), "--csv", str(csv))
+    assert code == 0
+    for png in ("update_to_data.png", "grad_to_data.png", "grad_histograms.png", "weight_histograms.png"):
+        assert (out_dir / png).stat().st_size > 10_000
+    assert (out_dir / "summary.csv").exists()
+    assert len(csv.read_text().splitlines()) == 1 + 20 * 4
+    assert "fc1.weight" in out and "all weights within [-4.5, -1.5]" in out
+    # Tight thresholds flag the weights, and say how.
+    code, out = run_cli("analyze", ADAM, "--no-plots", "--high", "-3.5", "--low", "-3.6")
+    assert code == 0 and "HIGH" in out and "weight(s) outside [-3.6, -3.5]" in out
+    code, out = run_cli("analyze", ADAM, "--no-plots", "--high", "-5", "--low", "-4")
+    assert code == 2 and "must be below" in out
+
+
+def test_analyze_never_wipes_an_output_folder(tmp_path):
+    out_dir = tmp_path / "analysis"
+    out_dir.mkdir()
+    (out_dir / "mine.txt").write_text("keep me")
+    assert run_cli("analyze", ADAM, "--out", str(out_dir))[0] == 0
+    assert (out_dir / "mine.txt").read_text() == "keep me"
+
+
+def test_verify_exit_codes_and_json(tmp_path, sample_copy):
+    code, out = run_cli("verify", ADAM)
+    assert code == 0 and "80 step-parameter checks matched, 0 mismatched" in out
+    path = sample_copy("adam.h5")
+    with h5py.File(path, "r+") as f:
+        ds = f["optimizers/0/params/fc2.weight/param_after"]
+        ds[3] = ds[3] * 1.01
+    code, out = run_cli("verify", path)
+    assert code == 1 and "MISMATCH fc2.weight step 3" in out
+    code, out = run_cli("verify", "--json", path)
+    report = json.loads(out)
+    assert code == 1 and report["exit_code"] == 1 and report["mismatched"] == 1
+    assert [p["first_mismatch_step"] for p in report["params"] if p["param"] == "fc2.weight"] == [3]

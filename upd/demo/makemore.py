@@ -1,0 +1,140 @@
+"""A makemore (part 3) style character-level MLP on names, trained with SGD and recorded with torch-upd.
+
+After Andrej Karpathy's "Building makemore Part 3: Activations & Gradients, BatchNorm": three characters of
+context are embedded, passed through a stack of Linear -> BatchNorm1d -> Tanh layers and mapped to 27 logits.
+
+Two initializations show what the update:data ratio is for:
+
+* ``init="good"``: the video's Kaiming init (gain 5/3 over sqrt(fan_in)) with the output layer scaled down so
+  the first loss is close to -log(1/27) = 3.30. With lr 0.1 the weights' update:data ratios sit near 1e-3.
+* ``init="bad"``: the hidden weights drawn as ``randn * 0.01``, the "small random numbers" habit. BatchNorm
+  renormalizes every layer's output, so the forward pass, the loss and the activations look healthy; but the
+  gradient of a weight feeding a BatchNorm scales with 1/scale of that weight, so the update:data ratio grows
+  with 1/scale**2 and the weights are rewritten far faster than 1e-3 per step. As the video notes, BatchNorm
+  hides a bad weight scale from the forward pass, but not from the update:data ratio.
+"""
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import upd
+
+BLOCK_SIZE = 3  # characters of context
+CHARS = "." + "abcdefghijklmnopqrstuvwxyz"  # '.' starts and ends every name
+VOCAB_SIZE = len(CHARS)
+STOI = {ch: i for i, ch in enumerate(CHARS)}
+INITS = ("good", "bad")
+
+
+def load_words() -> list[str]:
+    """The names shipped with the package, one per line."""
+    return (Path(__file__).parent / "names.txt").read_text().split()
+
+
+def build_dataset(words: list[str]) -> tuple[torch.Tensor, torch.Tensor]:
+    """(X, Y): every BLOCK_SIZE-character context in the words and the character that follows it."""
+    xs, ys = [], []
+    for word in words:
+        context = [0] * BLOCK_SIZE
+        for ch in word + ".":
+            ix = STOI[ch]
+            xs.append(context)
+            ys.append(ix)
+            context = context[1:] + [ix]
+    return torch.tensor(xs), torch.tensor(ys)
+
+
+class MLP(nn.Module):
+    def __init__(self, n_embd: int = 10, n_hidden: int = 64, n_layers: int = 4):
+        super().__init__()
+        self.emb = nn.Embedding(VOCAB_SIZE, n_embd)
+        layers, fan_in = [], n_embd * BLOCK_SIZE
+        for _ in range(n_layers):
+            # No bias: the BatchNorm right after subtracts the mean, so a bias would get no gradient.
+            layers += [nn.Linear(fan_in, n_hidden, bias=False), nn.BatchNorm1d(n_hidden), nn.Tanh()]
+            fan_in = n_hidden
+        layers.append(nn.Linear(fan_in, VOCAB_SIZE))
+        self.layers = nn.Sequential(*layers)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.layers(self.emb(x).flatten(1))
+
+
+@torch.no_grad()
+def init_weights(model: MLP, init: str) -> None:
+    if init not in INITS:
+        raise ValueError(f"init must be one of {INITS}, got {init!r}")
+    linears = [m for m in model.layers if isinstance(m, nn.Linear)]
+    *hidden, out = linears
+    nn.init.normal_(model.emb.weight)  # the video's C = randn(27, n_embd)
+    for lin in hidden:
+        if init == "good":
+            # tanh squashes its input; 5/3 is the gain that keeps activations from shrinking layer by layer.
+            lin.weight.normal_(0.0, (5 / 3) / lin.in_features ** 0.5)
+        else:
+            lin.weight.normal_(0.0, 0.01)
+    # A near-uniform first prediction: logits close to 0 give a first loss close to log(27) = 3.30, not a
+    # "hockey stick" spent unlearning confident wrong guesses. Both inits share it, so their losses start alike.
+    out.weight.normal_(0.0, 0.1 / out.in_features ** 0.5)
+    out.bias.zero_()
+
+
+@torch.no_grad()
+def split_loss(model: MLP, X: torch.Tensor, Y: torch.Tensor) -> float:
+    """Cross-entropy over a whole split in eval mode, BatchNorm using its running statistics."""
+    was_training = model.training
+    model.eval()
+    try:
+        return F.cross_entropy(model(X), Y).item()
+    finally:
+        model.train(was_training)
+
+
+def train(path, *, steps: int = 400, init: str = "good", seed: int = 0, batch_size: int = 32, lr: float = 0.1,
+          every: int = 1, n_hidden: int = 64, n_layers: int = 4, log=print) -> dict:
+    """Train the MLP on the shipped names with SGD, recording every ``every``-th step to the run file ``path``.
+
+    The learning rate drops from ``lr`` to ``lr / 10`` for the last quarter of the steps (as in the video), so the
+    recorded ratios also show what a learning-rate decay does. Deterministic for a given ``seed``.
+
+    Returns a dict: path, init, seed, steps, records, train_loss_start (the first minibatch's loss), final_loss and
+    val_loss (whole train / held-out split after training), losses (every minibatch loss), seconds.
+    """
+    started = time.perf_counter()
+    torch.manual_seed(seed)
+    gen = torch.Generator().manual_seed(seed)
+    words = load_words()
+    perm = torch.randperm(len(words), generator=gen).tolist()
+    words = [words[i] for i in perm]
+    n_train = int(0.9 * len(words))
+    Xtr, Ytr = build_dataset(words[:n_train])
+    Xval, Yval = build_dataset(words[n_train:])
+
+    model = MLP(n_hidden=n_hidden, n_layers=n_layers)
+    init_weights(model, init)
+    optimizer = torch.optim.SGD(model.parameters(), lr=lr)
+    scheduler = torch.optim.lr_scheduler.MultiStepLR(optimizer, milestones=[steps * 3 // 4], gamma=0.1)
+
+    losses = []
+    with upd.record(path, model, optimizer, every=every, overwrite=True) as rec:
+        for i in range(steps):
+            ix = torch.randint(0, Xtr.shape[0], (batch_size,), generator=gen)
+            loss = F.cross_entropy(model(Xtr[ix]), Ytr[ix])
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            optimizer.step()
+            scheduler.step()
+            losses.append(loss.item())
+            if log is not None and (i % max(1, steps // 10) == 0 or i == steps - 1):
+                log(f"{i:5d}/{steps}: loss {losses[-1]:.4f}  lr {optimizer.param_groups[0]['lr']:g}")
+        records = rec.records
+
+    return {"path": str(path), "init": init, "seed": seed, "steps": steps, "records": records,
+            "train_loss_start": losses[0], "final_loss": split_loss(model, Xtr, Ytr),
+            "val_loss": split_loss(model, Xval, Yval), "losses": losses,
+            "seconds": time.perf_counter() - started}
