@@ -423,8 +423,10 @@ def test_nonfinite_grad_recorded_as_is_and_flagged(tmp_path):
         assert math.isinf(float(g2[0, 0])) and float(g2[0, 0]) > 0
         assert torch.isnan(w0.read("param_after", 2)[1, 2])  # SGD propagated it
         ratios = run.ratios()
-    flagged = ratios[ratios["flag"].str.contains("nonfinite-grad")]
+    upto2 = ratios[ratios["record"] <= 2]  # from record 3 on the NaN weight makes every gradient NaN
+    flagged = upto2[upto2["flag"].str.contains("nonfinite-grad")]
     assert sorted(zip(flagged["param"], flagged["record"])) == [("0.weight", 2), ("2.weight", 2)]
+    assert ratios[ratios["record"] == 3]["flag"].str.contains("nonfinite-grad").all()
     row = ratios[(ratios["param"] == "0.weight") & (ratios["record"] == 2)].iloc[0]
     assert row["grad_nonfinite"] == 1
     assert not ratios[ratios["record"] < 2]["flag"].str.contains("nonfinite").any()
@@ -612,6 +614,37 @@ def test_reduced_precision_storage(tmp_path, dtype, opt_name):
     assert report.precision_notes and all(dtype in n for n in report.precision_notes)
 
 
+@pytest.mark.xfail(strict=True, reason="BUG: with dtype='float16' Adam's exp_avg_sq (~(1-beta2)*g**2) underflows "
+                   "float16's normal range and verify reports mismatches that are only storage rounding")
+def test_float16_storage_no_false_mismatch_with_small_adam_grads(tmp_path):
+    path = tmp_path / "f16_small.h5"
+    model = mlp(seed=13)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    with upd.record(path, model, opt, dtype="float16"):
+        for s in range(4):
+            opt.zero_grad()
+            (0.01 * loss_at(model, s)).backward()  # gradients ~1e-3..1e-2, common in real networks
+            opt.step()
+    report = upd.verify(path)
+    assert report.mismatched == 0, report.summary()
+    assert report.exit_code == 0
+
+
+@pytest.mark.xfail(strict=True, reason="BUG: the integer 'step' state counter is stored in the reduced dtype, so "
+                   "bfloat16 rounds steps above 256 (301 is stored as 300)")
+def test_reduced_precision_keeps_the_step_counter_exact(tmp_path):
+    path = tmp_path / "bf16_resumed.h5"
+    model = mlp(seed=13)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    train(model, opt, 300)  # a resumed run: the optimizer already took 300 steps
+    with upd.record(path, model, opt, dtype="bfloat16"):
+        train(model, opt, 3)
+    with upd.open_run(path) as run:
+        assert run.optimizers[0].step.tolist() == [300, 301, 302]
+        p = run.param("0.weight")
+        assert [float(p.state_at(row)["step"]) for row in range(3)] == [300.0, 301.0, 302.0]
+
+
 def test_gzip_compression(tmp_path):
     path = tmp_path / "gzip.h5"
     model = mlp(seed=13)
@@ -712,6 +745,38 @@ def test_write_error_warns_once_and_training_continues(tmp_path, monkeypatch):
         assert run.optimizers[0].step.tolist() == [0, 1]
         assert run.param("0.weight").rows == 2
     assert upd.verify(path).exit_code == 0
+
+
+def test_error_in_the_middle_of_a_record_leaves_only_committed_records(tmp_path, monkeypatch):
+    path = tmp_path / "partial.h5"
+    real = RunWriter._write_tensor
+    calls = {"n": 0}
+    per_record = 4 * 3  # SGD without momentum: param, grad, param_after for each of the 4 params
+
+    def write_tensor(self, ds, row, tensor):
+        calls["n"] += 1
+        if calls["n"] == 2 * per_record + 5:  # record 2, second parameter: some of its rows are on disk
+            raise OSError("No space left on device")
+        return real(self, ds, row, tensor)
+
+    monkeypatch.setattr(RunWriter, "_write_tensor", write_tensor)
+    model = mlp(seed=15)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    after = []
+    with pytest.warns(upd.RecorderWarning, match="No space left on device"):
+        with upd.record(path, model, opt):
+            train(model, opt, 4, before_step=lambda s: None)
+            after.append(params_of(model))
+    with h5py.File(path, "r") as f:
+        assert f["optimizers/0/records/step"].shape == (2,)
+        assert f["optimizers/0/params/0.weight/param"].shape[0] == 3  # a row of the uncommitted record exists
+    with upd.open_run(path) as run:
+        o = run.optimizers[0]
+        assert o.num_records == 2
+        for p in o.params.values():
+            assert p.records.tolist() == [0, 1]  # the uncommitted record is invisible
+    report = upd.verify(path)
+    assert report.exit_code == 0 and report.matched == 2 * 4
 
 
 def test_write_error_with_strict_propagates(tmp_path, monkeypatch):

@@ -1,0 +1,56 @@
+"""The examples in the docs run as written."""
+import os
+import re
+
+import h5py
+import torch
+
+import upd
+
+from conftest import MLP, SAMPLE_DIR, train_steps
+
+DOCS = os.path.join(os.path.dirname(SAMPLE_DIR), "docs")
+
+
+def python_blocks(name):
+    with open(os.path.join(DOCS, name)) as f:
+        return re.findall(r"```python\n(.*?)```", f.read(), re.S)
+
+
+def test_third_party_rule_from_verify_md(tmp_path):
+    namespace = {}
+    exec(python_blocks("verify.md")[0], namespace)
+    Lion = namespace["Lion"]
+    try:
+        torch.manual_seed(0)
+        model = MLP()
+        opt = Lion(model.parameters(), lr=1e-3, weight_decay=0.1)
+        path = str(tmp_path / "lion.h5")
+        with upd.record(path, model, opt):
+            train_steps(model, opt, steps=4)
+        report = upd.verify(path)
+        assert report.exit_code == 0, report.summary()
+        assert report.matched == 16 and report.checks["state_checked"].sum() == 12
+        with h5py.File(path, "r+") as f:  # and the documented rule still catches a wrong lr
+            f["optimizers/0/records/hparams"][1] = f["optimizers/0/records/hparams"][1].decode().replace(
+                '"lr": 0.001', '"lr": 0.0011')
+        assert upd.verify(path).exit_code == 1
+    finally:
+        upd.replay.unregister(Lion)
+
+
+def test_reading_by_hand_from_format_md(tmp_path):
+    torch.manual_seed(0)
+    model = MLP(n_in=64, n_hidden=20, n_out=10)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    cwd = os.getcwd()
+    os.chdir(tmp_path)
+    try:
+        with upd.record("run.h5", model, opt):
+            train_steps(model, opt, steps=3, n_in=64, n_out=10)
+        namespace = {}
+        exec(python_blocks("format.md")[0], namespace)
+    finally:
+        os.chdir(cwd)
+    assert namespace["committed"] == 3 and namespace["step"] == 2 and namespace["lr"] == 1e-3
+    assert namespace["w"].shape == (20, 64) and namespace["m"].abs().sum() > 0
