@@ -108,6 +108,19 @@ def storage_numpy_dtype(torch_dtype: torch.dtype, storage: str) -> tuple[np.dtyp
     return np.dtype(torch.empty((), dtype=target).numpy().dtype), str(target).replace("torch.", "")
 
 
+def state_storage_dtype(tensor: torch.Tensor, storage: str) -> str:
+    """Storage choice for one optimizer-state tensor under the user's dtype= option.
+
+    Scalar state (step counters) is kept exact: bfloat16 cannot count past 256. float16 state is widened to
+    float32: second moments (~1e-3 * grad^2) fall below float16's normal range and would replay as zeros.
+    """
+    if tensor.dim() == 0:
+        return "keep"
+    if storage == "float16":
+        return "float32"
+    return storage
+
+
 def tensor_to_numpy(tensor: torch.Tensor, torch_dtype_name: str) -> np.ndarray:
     """CPU tensor -> numpy array in the storage encoding named by torch_dtype_name."""
     target = getattr(torch, torch_dtype_name)

@@ -189,7 +189,7 @@ def _verify_optimizer(run: Run, opt, rtol, ulps, rows: list, problems: list, not
             except NotReplayable as exc:
                 check["note"] = str(exc)
                 continue
-            rule_rtol = rule.rtol if rtol is None else rtol
+            rule_rtol = (replayed.rtol or rule.rtol) if rtol is None else rtol
             rule_ulps = rule.ulps if ulps is None else ulps
             # Reduced-precision storage rounds the inputs too: the update can only be checked to that precision.
             eff_rtol = max(rule_rtol, 4 * eps) if reduced else rule_rtol

@@ -50,7 +50,7 @@ def build_dataset(words: list[str]) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 class MLP(nn.Module):
-    def __init__(self, n_embd: int = 10, n_hidden: int = 64, n_layers: int = 4):
+    def __init__(self, n_embd: int = 10, n_hidden: int = 48, n_layers: int = 4):
         super().__init__()
         self.emb = nn.Embedding(VOCAB_SIZE, n_embd)
         layers, fan_in = [], n_embd * BLOCK_SIZE
@@ -58,7 +58,9 @@ class MLP(nn.Module):
             # No bias: the BatchNorm right after subtracts the mean, so a bias would get no gradient.
             layers += [nn.Linear(fan_in, n_hidden, bias=False), nn.BatchNorm1d(n_hidden), nn.Tanh()]
             fan_in = n_hidden
-        layers.append(nn.Linear(fan_in, VOCAB_SIZE))
+        # As in the video the logits get a BatchNorm too: its gain, not the weights, then sets how confident the
+        # first predictions are, so the output weights keep a normal scale and a normal update:data ratio.
+        layers += [nn.Linear(fan_in, VOCAB_SIZE, bias=False), nn.BatchNorm1d(VOCAB_SIZE)]
         self.layers = nn.Sequential(*layers)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -69,19 +71,18 @@ class MLP(nn.Module):
 def init_weights(model: MLP, init: str) -> None:
     if init not in INITS:
         raise ValueError(f"init must be one of {INITS}, got {init!r}")
-    linears = [m for m in model.layers if isinstance(m, nn.Linear)]
-    *hidden, out = linears
     nn.init.normal_(model.emb.weight)  # the video's C = randn(27, n_embd)
+    *hidden, out = [m for m in model.layers if isinstance(m, nn.Linear)]
     for lin in hidden:
         if init == "good":
             # tanh squashes its input; 5/3 is the gain that keeps activations from shrinking layer by layer.
             lin.weight.normal_(0.0, (5 / 3) / lin.in_features ** 0.5)
         else:
             lin.weight.normal_(0.0, 0.01)
-    # A near-uniform first prediction: logits close to 0 give a first loss close to log(27) = 3.30, not a
-    # "hockey stick" spent unlearning confident wrong guesses. Both inits share it, so their losses start alike.
-    out.weight.normal_(0.0, 0.1 / out.in_features ** 0.5)
-    out.bias.zero_()
+    out.weight.normal_(0.0, 1 / out.in_features ** 0.5)
+    # Logits close to 0 make the first prediction near-uniform, a first loss near log(27) = 3.30 rather than a
+    # "hockey stick" spent unlearning confident wrong guesses. Both inits share this, so their losses start alike.
+    model.layers[-1].weight.fill_(0.1)
 
 
 @torch.no_grad()
@@ -95,8 +96,8 @@ def split_loss(model: MLP, X: torch.Tensor, Y: torch.Tensor) -> float:
         model.train(was_training)
 
 
-def train(path, *, steps: int = 400, init: str = "good", seed: int = 0, batch_size: int = 32, lr: float = 0.1,
-          every: int = 1, n_hidden: int = 64, n_layers: int = 4, log=print) -> dict:
+def train(path, *, steps: int = 300, init: str = "good", seed: int = 0, batch_size: int = 32, lr: float = 0.1,
+          every: int = 1, n_hidden: int = 48, n_layers: int = 4, log=print) -> dict:
     """Train the MLP on the shipped names with SGD, recording every ``every``-th step to the run file ``path``.
 
     The learning rate drops from ``lr`` to ``lr / 10`` for the last quarter of the steps (as in the video), so the

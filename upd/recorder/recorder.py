@@ -120,6 +120,12 @@ class Recorder:
                 })
                 self._handles.append(opt.register_step_pre_hook(self._make_pre_hook(i)))
                 self._handles.append(opt.register_step_post_hook(self._make_post_hook(i)))
+            for opt in optimizers:
+                # Count from the very first backward pass: before the first step, accumulation and skipped steps
+                # would otherwise be invisible.
+                for group in opt.param_groups:
+                    for p in group["params"]:
+                        self._hook_backward_counter(p)
             if model is not None:
                 optimized = {id(p) for opt in optimizers for g in opt.param_groups for p in g["params"]}
                 self._writer.set_attr("params_not_optimized",
@@ -189,7 +195,8 @@ class Recorder:
     def _fail(self, exc: BaseException) -> None:
         self.error = exc
         self.active = False
-        self._remove_hooks()
+        # The hooks stay registered (inactive) until close(): removing them here, while torch iterates over the
+        # optimizer's hook dict, would raise "OrderedDict mutated during iteration" into the training loop.
         try:
             self._writer.close()
         except Exception:
@@ -264,7 +271,7 @@ class Recorder:
         return sum(self._records)
 
     def close(self) -> None:
-        """Remove every hook and close the file. Safe to call twice."""
+        """Remove every hook and close the file. Safe to call twice, and after recording stopped on an error."""
         was_active = self.active
         self.active = False
         self._remove_hooks()

@@ -100,10 +100,11 @@ class RunWriter:
         grp.create_dataset(fmt.STATE_PRESENT, shape=(0, 0), maxshape=(None, None), dtype="u1", chunks=(256, 8))
         return grp
 
-    def _tensor_dataset(self, grp: h5py.Group, name: str, tensor: torch.Tensor, rows: int) -> h5py.Dataset:
+    def _tensor_dataset(self, grp: h5py.Group, name: str, tensor: torch.Tensor, rows: int,
+                        storage: str | None = None) -> h5py.Dataset:
         if name in grp:
             return grp[name]
-        np_dtype, stored_as = fmt.storage_numpy_dtype(tensor.dtype, self.storage_dtype)
+        np_dtype, stored_as = fmt.storage_numpy_dtype(tensor.dtype, storage or self.storage_dtype)
         shape = tuple(tensor.shape)
         ds = grp.create_dataset(name, shape=(rows, *shape), maxshape=(None, *shape), dtype=np_dtype,
                                 chunks=_chunks(shape) if shape else (1024,),
@@ -168,7 +169,8 @@ class RunWriter:
         present = np.zeros(len(keys), "u1")
         for i, key in enumerate(keys):
             if key in state:
-                self._write_tensor(self._tensor_dataset(st, key, state[key], row), row, state[key])
+                storage = fmt.state_storage_dtype(state[key], self.storage_dtype)
+                self._write_tensor(self._tensor_dataset(st, key, state[key], row, storage), row, state[key])
                 present[i] = 1
         self._append(present_ds, row, present)
 

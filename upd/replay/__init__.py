@@ -1,8 +1,15 @@
 """Replay rules: one small module per optimizer family, registered by optimizer class.
 
-Add your own with ``upd.replay.register(MyOptimizer)``; see docs/verify.md.
+Every module in this package registers its rules on import; add your own with ``upd.replay.register(MyOptimizer)``
+(see docs/verify.md).
 """
+import importlib
+import pkgutil
+
 from .registry import NotReplayable, Replayed, ReplayRule, lookup, register, registered, unregister
-from . import adam, sgd  # noqa: F401  (registers the built-in rules)
+
+for _module in pkgutil.iter_modules(__path__):
+    if _module.name != "registry":
+        importlib.import_module(f"{__name__}.{_module.name}")
 
 __all__ = ["register", "unregister", "lookup", "registered", "Replayed", "ReplayRule", "NotReplayable"]

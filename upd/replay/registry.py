@@ -28,6 +28,9 @@ class NotReplayable(Exception):
 class Replayed:
     param: torch.Tensor
     state: dict = field(default_factory=dict)
+    # A rule may loosen its registered tolerance for this step, e.g. for a fused kernel that rounds differently;
+    # docs/verify.md must say why.
+    rtol: float | None = None
 
 
 @dataclass

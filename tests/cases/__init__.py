@@ -1,0 +1,42 @@
+"""Replay-matrix cases: every module here defines CASES, a list of Case; tests/test_replay_matrix.py runs them all.
+
+A case records a short real training run (a small model, two param groups: weights, and everything else at half
+the lr) with one optimizer configuration, then checks that `upd.verify` passes, and that each listed perturbation
+of the record makes it fail.
+"""
+from __future__ import annotations
+
+import importlib
+import pkgutil
+from dataclasses import dataclass, field
+from typing import Callable
+
+# Perturbations a case can list (see tests/test_replay_matrix.py):
+#   "update"        the recorded update of one parameter at one step is off by 1%
+#   "lr"            the lr recorded for one step is 1% off what the optimizer used
+#   "weight_decay"  the recorded weight_decay of one step is set to 0 (needs weight_decay != 0 in the case)
+PERTURBATIONS = ("update", "lr", "weight_decay")
+
+
+@dataclass
+class Case:
+    id: str
+    make: Callable  # (param_groups) -> optimizer
+    model: str = "mlp"  # "mlp", "conv" or "attention"
+    steps: int = 4
+    perturb: tuple = ("update", "lr")
+    two_groups: bool = True  # second group: non-weights at half the lr
+    closure: bool = False  # optimizer.step(closure) (LBFGS)
+    sparse: bool = False  # model with a sparse-gradient embedding (SparseAdam)
+    expect_exit: int = 0  # 3 for configurations verify must refuse to judge
+    marks: list = field(default_factory=list)
+
+
+def all_cases() -> list[Case]:
+    cases = []
+    for module in pkgutil.iter_modules(__path__):
+        cases.extend(importlib.import_module(f"{__name__}.{module.name}").CASES)
+    ids = [c.id for c in cases]
+    duplicated = {i for i in ids if ids.count(i) > 1}
+    assert not duplicated, f"duplicate case ids: {duplicated}"
+    return cases
