@@ -115,6 +115,9 @@ def _params(case):
 def test_verify_passes(case, recorded):
     report = upd.verify(recorded(case))
     assert report.exit_code == case.expect_exit, report.summary()
+    if case.expect_exit == 3:  # refused, each step with its reason
+        assert report.matched == 0 and report.mismatched == 0 and report.skipped > 0
+        assert report.checks["note"].str.len().min() > 20
     if case.expect_exit == 0:
         assert report.mismatched == 0 and report.matched >= case.steps
         with upd.open_run(recorded(case)) as run:

@@ -156,6 +156,13 @@ class OptimizerRun:
             raise IndexError(f"record {record} out of range ({self.num_records} records)")
         return fmt.from_json(self._hparams_ds[record])
 
+    def closure_losses(self, record: int) -> list | None:
+        """Losses of each closure evaluation inside the step (LBFGS & co.), or None for a step without closure."""
+        if "closure_losses" not in self._group["records"]:
+            return None
+        ds = self._group["records"]["closure_losses"]
+        return fmt.from_json(ds[record]) if record < ds.shape[0] else None
+
     def record_of_step(self, step: int) -> int | None:
         hits = np.nonzero(self.step == step)[0]
         return int(hits[0]) if len(hits) else None

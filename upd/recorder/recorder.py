@@ -176,9 +176,41 @@ class Recorder:
     # -- hooks ------------------------------------------------------------------------------------------------
     def _make_pre_hook(self, opt_index: int):
         def pre_hook(optimizer, args, kwargs):
-            if self.active:
-                self._guard(self._before_step, opt_index, optimizer)
+            if not self.active:
+                return None
+            # args is (optimizer, *step_args): a closure is step's first positional argument or `closure=`.
+            closure = args[1] if len(args) > 1 else kwargs.get("closure")
+            self._guard(self._before_step, opt_index, optimizer, closure is not None)
+            rec = self._pending.get(opt_index)
+            if closure is None or rec is None or not self.active:
+                return None
+            wrapped = self._wrap_closure(rec, optimizer, closure)
+            if len(args) > 1:
+                return (args[0], wrapped, *args[2:]), kwargs
+            return args, dict(kwargs, closure=wrapped)
         return pre_hook
+
+    def _wrap_closure(self, rec: RecordSnapshot, optimizer, closure):
+        """Closure-driven optimizers (LBFGS) compute the gradient inside step(): capture the gradient of the first
+        evaluation (at the parameters before the step) and every evaluation's loss."""
+        params = {id(p): p for group in optimizer.param_groups for p in group["params"]}
+
+        def recording_closure(*args, **kwargs):
+            loss = closure(*args, **kwargs)
+            if self.active:
+                self._guard(self._closure_evaluated, rec, params, loss)
+            return loss
+        return recording_closure
+
+    def _closure_evaluated(self, rec: RecordSnapshot, params: dict, loss) -> None:
+        first = not rec.closure_losses
+        value = loss.detach() if isinstance(loss, torch.Tensor) else loss
+        rec.closure_losses.append(float(value) if value is not None else float("nan"))
+        if first and "grad" in self.what:
+            for snap in rec.params:
+                p = params.get(snap.param_id)
+                if p is not None and p.grad is not None:
+                    snap.grad = _cpu_copy(p.grad)
 
     def _make_post_hook(self, opt_index: int):
         def post_hook(optimizer, args, kwargs):
@@ -206,7 +238,7 @@ class Recorder:
         warnings.warn(f"torch-upd: recording to {self.path} stopped ({type(exc).__name__}: {exc}); "
                       "training continues. Pass strict=True to raise instead.", RecorderWarning, stacklevel=4)
 
-    def _before_step(self, opt_index: int, optimizer: torch.optim.Optimizer) -> None:
+    def _before_step(self, opt_index: int, optimizer: torch.optim.Optimizer, closure_step: bool = False) -> None:
         self._pending.pop(opt_index, None)  # a step that raised never reached its post-hook
         step = self._steps_done[opt_index]
         for g, group in enumerate(optimizer.param_groups):
@@ -220,13 +252,14 @@ class Recorder:
         for g, group in enumerate(optimizer.param_groups):
             for i, p in enumerate(group["params"]):
                 name = names[id(p)]
-                # The optimizer skips a parameter without a gradient, so there is nothing to record for it.
-                if p.grad is None or not self._selected(name):
+                # The optimizer skips a parameter without a gradient, so there is nothing to record for it; with a
+                # closure the gradient appears only inside step(), so that is decided after the step.
+                if (p.grad is None and not closure_step) or not self._selected(name):
                     continue
-                snap = ParamSnapshot(name=name, group=g, index_in_group=i)
+                snap = ParamSnapshot(name=name, group=g, index_in_group=i, param_id=id(p))
                 if "param" in self.what:
                     snap.param = _cpu_copy(p)
-                if "grad" in self.what:
+                if "grad" in self.what and not closure_step:
                     snap.grad = _cpu_copy(p.grad)
                 if "state" in self.what:
                     snap.state = self._state_snapshot(optimizer.state.get(p, {}))
@@ -236,7 +269,7 @@ class Recorder:
                        default=0)
         self._pending[opt_index] = RecordSnapshot(
             optimizer=opt_index, step=step, backward_pass=backward, wall_time=time.time(),
-            hparams=[_group_hparams(g) for g in optimizer.param_groups], params=snaps)
+            hparams=[_group_hparams(g) for g in optimizer.param_groups], params=snaps, closure=closure_step)
 
     @staticmethod
     def _state_snapshot(state: dict) -> dict:
@@ -254,6 +287,9 @@ class Recorder:
         rec = self._pending.pop(opt_index, None)
         if rec is None:
             return
+        if rec.closure and "grad" in self.what:
+            # Parameters the closure gave no gradient were skipped by the optimizer, as in a plain step.
+            rec.params = [snap for snap in rec.params if snap.grad is not None]
         for snap in rec.params:
             snap.param_after = _cpu_copy(snap.param_after) if "param" in self.what else None
         self._writer.write(rec)

@@ -23,6 +23,7 @@ class ParamSnapshot:
     name: str
     group: int
     index_in_group: int
+    param_id: int = 0  # id() of the live parameter, to find it again inside the step
     param: torch.Tensor | None = None
     grad: torch.Tensor | None = None
     state: dict = field(default_factory=dict)  # key -> CPU tensor (0-d for scalars)
@@ -37,6 +38,8 @@ class RecordSnapshot:
     wall_time: float
     hparams: list  # one JSON-able dict per param group
     params: list  # ParamSnapshot
+    closure: bool = False  # step(closure): the optimizer evaluated the loss itself, maybe several times
+    closure_losses: list = field(default_factory=list)  # the loss of each closure evaluation, in order
 
 
 def _chunks(shape: tuple) -> tuple:
@@ -77,6 +80,8 @@ class RunWriter:
         rec.create_dataset("lr", shape=(0, 0), maxshape=(None, None), dtype="f8", chunks=(256, 8),
                            fillvalue=np.nan)
         rec.create_dataset("hparams", shape=(0,), maxshape=(None,), dtype=h5py.string_dtype(), chunks=(256,))
+        rec.create_dataset("closure_losses", shape=(0,), maxshape=(None,), dtype=h5py.string_dtype(),
+                           chunks=(256,))
         grp.create_group("params")
         self._records_written[index] = 0
         self.file.flush()
@@ -144,6 +149,7 @@ class RunWriter:
         self._append(rec_grp["backward_pass"], record, rec.backward_pass)
         self._append(rec_grp["wall_time"], record, rec.wall_time)
         self._append(rec_grp["hparams"], record, fmt.to_json(rec.hparams))
+        self._append(rec_grp["closure_losses"], record, fmt.to_json(rec.closure_losses if rec.closure else None))
         lr = rec_grp["lr"]
         if lr.shape[1] < len(rec.hparams):
             lr.resize(len(rec.hparams), axis=1)
