@@ -13,6 +13,7 @@ import torch
 
 from .. import format as fmt
 from ..replay import NotReplayable, lookup, registered
+from .explain import explain
 from .run import Run, open_run
 
 # Exit codes of `upd verify` (documented in README and `upd verify --help`).
@@ -68,6 +69,7 @@ class VerifyReport:
     checks: pd.DataFrame
     problems: list = field(default_factory=list)  # why whole optimizers could not be checked
     precision_notes: list = field(default_factory=list)  # limits set by reduced-precision storage
+    params_not_optimized: list = field(default_factory=list)  # model parameters no recorded optimizer holds
 
     @property
     def matched(self) -> int:
@@ -105,6 +107,7 @@ class VerifyReport:
                 "max_abs_err": df["max_abs_err"].max(), "update_rel_err": df["update_rel_err"].max(),
                 "err_to_tol": df["err_to_tol"].max(), "state_err_to_tol": df["state_err_to_tol"].max(),
                 "first_mismatch_step": int(bad["step"].min()) if len(bad) else None,
+                "explanation": bad.sort_values("step")["note"].iloc[0] if len(bad) else "",
                 "result": "FAIL" if len(bad) else ("ok" if (df["status"] == "match").any() else "skipped"),
             })
         return pd.DataFrame(rows)
@@ -113,6 +116,9 @@ class VerifyReport:
         lines = [f"{self.path}: {self.matched} step-parameter checks matched, {self.mismatched} mismatched, "
                  f"{self.skipped} skipped"]
         lines += [f"  {p}" for p in self.problems]
+        if self.params_not_optimized:
+            lines.append("  model parameters in no recorded optimizer (never updated): "
+                         + ", ".join(self.params_not_optimized))
         lines += [f"  precision: {n}" for n in self.precision_notes]
         if self.mismatched:
             bad = self.checks[self.checks["status"] == "mismatch"].sort_values("err_to_tol", ascending=False)
@@ -138,7 +144,8 @@ def verify(run, *, rtol: float | None = None, ulps: float | None = None) -> Veri
         for opt in run.optimizers:
             _verify_optimizer(run, opt, rtol, ulps, rows, problems, notes)
         checks = pd.DataFrame(rows, columns=CHECK_COLUMNS)
-        return VerifyReport(path=os.fspath(run.path), checks=checks, problems=problems, precision_notes=notes)
+        return VerifyReport(path=os.fspath(run.path), checks=checks, problems=problems, precision_notes=notes,
+                            params_not_optimized=list(run.params_not_optimized))
     finally:
         if own:
             run.close()
@@ -203,22 +210,34 @@ def _verify_optimizer(run: Run, opt, rtol, ulps, rows: list, problems: list, not
                 limits.append(float(tolerance(after, scale, eps=eps, ulps=rule_ulps, rtol=eff_rtol).median())
                               / float(update.abs().median().clamp_min(1e-30)))
             nxt = _next_row(p, opt, row, record)
-            state_ratio = None
+            next_state = None
             continuous = True
             if nxt is not None:
                 if state_recorded:
-                    state_ratio = _state_error(p.state_at(nxt), replayed.state, eps, rule_ulps, eff_rtol)
+                    next_state = {k: v.double() for k, v in p.state_at(nxt).items()}
                 # Nothing but the optimizer should touch a parameter between two consecutive steps.
                 continuous = bool((elementwise_error(p.read(fmt.KIND_PARAM, nxt).double(), after) == 0).all())
+            state_ratio = _state_error(next_state, replayed.state, eps, rule_ulps, eff_rtol) if next_state else None
             if state_ratio is not None:
                 check.update(state_checked=True, state_err_to_tol=state_ratio)
             param_ok = ratio <= 1.0
             state_ok = state_ratio is None or state_ratio <= 1.0
             check["status"] = "match" if param_ok and state_ok and continuous else "mismatch"
-            if not param_ok:
-                check["note"] = "recorded update differs from the replayed one"
-            elif not state_ok:
-                check["note"] = "next record's optimizer state differs from the replayed state"
+            if not (param_ok and state_ok):
+                def matches(alt_param, alt_state):
+                    alt_update = (alt_param - before).abs().nan_to_num(posinf=0.0)
+                    alt_scale = float(alt_update.max()) if alt_update.numel() else 0.0
+                    if compare(alt_param, after, alt_scale, eps=eps, ulps=rule_ulps, rtol=eff_rtol)[1] > 1.0:
+                        return False
+                    alt_state_ratio = _state_error(next_state, alt_state, eps, rule_ulps, eff_rtol) \
+                        if next_state else None
+                    return alt_state_ratio is None or alt_state_ratio <= 1.0
+
+                why = explain(rule.fn, before, grad, after, state or {}, group_of(record, p.param_group or 0),
+                              int(opt.step[record]), next_state, matches)
+                what = "recorded update differs from the replayed one" if not param_ok else \
+                    "next record's optimizer state differs from the replayed state"
+                check["note"] = what + (f": {why}" if why else "")
             elif not continuous:
                 check["note"] = "parameter changed outside the optimizer before the next step"
         if limits:
@@ -235,7 +254,7 @@ def _next_row(p, opt, row: int, record: int) -> int | None:
     return nxt
 
 
-def _state_error(recorded: dict, replayed_state: dict, eps, ulps, rtol) -> float | None:
+def _state_error(recorded: dict | None, replayed_state: dict, eps, ulps, rtol) -> float | None:
     """Worst error/tolerance of the replayed state against the state recorded at the next step."""
     worst = None
     for key, value in replayed_state.items():

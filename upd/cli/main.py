@@ -168,6 +168,9 @@ def verify(run, rtol, ulps, as_json, csv_path):
         click.echo(json.dumps({"path": report.path, "exit_code": report.exit_code, "matched": report.matched,
                                "mismatched": report.mismatched, "skipped": report.skipped,
                                "problems": report.problems, "precision_notes": report.precision_notes,
+                               "params_not_optimized": report.params_not_optimized,
+                               "mismatches": json.loads(report.checks[report.checks["status"] == "mismatch"]
+                                                        .to_json(orient="records")),
                                "params": json.loads(by_param.to_json(orient="records"))}, indent=2))
     else:
         by_param = report.by_param()
