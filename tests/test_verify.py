@@ -192,3 +192,26 @@ def test_tolerance_is_tight(tmp_path):
         shifted[0, 0] += factor * 1e-5 * scale + 4 * np.finfo(np.float32).eps * abs(float(after[0, 0]))
         _, ratio = compare(shifted, after, scale, eps=float(np.finfo(np.float32).eps), ulps=2, rtol=1e-5)
         assert (ratio <= 1.0) == passes, (factor, ratio)
+
+
+def test_rules_are_chosen_by_the_torch_version_that_wrote_the_file(sample_copy):
+    """A rule limited to older torch versions is used for files those versions wrote, and only for them."""
+    path = sample_copy("sgd_momentum.h5")
+
+    def old_sgd(param, grad, state, group, step):  # a deliberately different "old" algorithm
+        return upd.replay.Replayed(param - 2 * group["lr"] * grad)
+
+    upd.replay.register(torch.optim.SGD, torch_below="2.0")(old_sgd)
+    try:
+        assert upd.replay.lookup("torch.optim.SGD", torch_version="1.13.1").fn is old_sgd
+        assert upd.replay.lookup("torch.optim.SGD", torch_version="2.13.0+cpu").fn is not old_sgd
+        assert upd.verify(path).exit_code == EXIT_MATCH  # written by torch 2.13: the current rule
+        with h5py.File(path, "r+") as f:
+            meta = json.loads(f.attrs["meta"])
+            meta["torch_version"] = "1.13.1"
+            f.attrs["meta"] = json.dumps(meta)
+        assert upd.verify(path).exit_code == EXIT_MISMATCH  # now replayed with the old rule
+    finally:
+        from upd.replay import registry
+        registry._RULES["torch.optim.SGD"] = [r for r in registry._RULES["torch.optim.SGD"] if r.fn is not old_sgd]
+    assert upd.verify(path).exit_code == EXIT_MATCH

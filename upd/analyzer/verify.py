@@ -152,10 +152,10 @@ def verify(run, *, rtol: float | None = None, ulps: float | None = None) -> Veri
 
 
 def _verify_optimizer(run: Run, opt, rtol, ulps, rows: list, problems: list, notes: list) -> None:
-    rule = lookup(opt.class_name, opt.meta.get("mro", ()))
+    rule = lookup(opt.class_name, opt.meta.get("mro", ()), run.torch_version)
     state_recorded = "state" in run.options.get("what", fmt.WHAT_CHOICES)
     if rule is None:
-        reason = (f"optimizer {opt.index} ({opt.class_name}) has no replay rule; registered: "
+        reason = (f"optimizer {opt.index} ({opt.class_name}, torch {run.torch_version}) has no replay rule; registered: "
                   f"{', '.join(registered())}")
         problems.append(reason)
     hparams_cache: dict[int, list] = {}

@@ -39,9 +39,11 @@ class ReplayRule:
     fn: Callable
     rtol: float  # tolerance on the update, relative to the tensor's largest update; see docs/verify.md
     ulps: float  # tolerance on each element, in units of the storage dtype's spacing at that element
+    torch_versions: tuple = (None, None)  # [min, max) torch versions whose optimizer this rule reproduces
 
 
-_RULES: dict[str, ReplayRule] = {}
+# class path -> rules, newest registration first; several rules for one class cover different torch versions.
+_RULES: dict[str, list[ReplayRule]] = {}
 
 DEFAULT_RTOL = 1e-5
 DEFAULT_ULPS = 4.0
@@ -54,12 +56,38 @@ def class_path(cls: Union[type, str]) -> str:
     return f"torch.optim.{cls.__name__}" if public is cls else f"{cls.__module__}.{cls.__qualname__}"
 
 
-def register(*optimizer_classes, rtol: float = DEFAULT_RTOL, ulps: float = DEFAULT_ULPS):
+def _version_tuple(version: str | None) -> tuple:
+    """'2.13.0+cpu' -> (2, 13, 0); unparseable parts end the tuple."""
+    out = []
+    for part in (version or "").split("+")[0].split("."):
+        digits = "".join(ch for ch in part if ch.isdigit())
+        if not digits or digits != part:
+            if digits:
+                out.append(int(digits))
+            break
+        out.append(int(digits))
+    return tuple(out)
+
+
+def _covers(rule: ReplayRule, torch_version: str | None) -> bool:
+    low, high = rule.torch_versions
+    if torch_version is None or (low is None and high is None):
+        return True
+    v = _version_tuple(torch_version)
+    return (low is None or v >= _version_tuple(low)) and (high is None or v < _version_tuple(high))
+
+
+def register(*optimizer_classes, rtol: float = DEFAULT_RTOL, ulps: float = DEFAULT_ULPS,
+             torch_min: str | None = None, torch_below: str | None = None):
     """Decorator: register ``fn`` as the replay rule of the given optimizer classes (classes or 'module.Class').
 
         @upd.replay.register(MyOptimizer)
         def my_rule(param, grad, state, group, step):
             return upd.replay.Replayed(param - group["lr"] * grad.sign())
+
+    ``torch_min`` / ``torch_below`` limit the rule to files written by those torch versions, for optimizers whose
+    math changed between versions: ``verify`` picks the rule matching the torch version recorded in the file.
+    Registering again for the same class and versions replaces the earlier rule.
     """
     if not optimizer_classes:
         raise TypeError("register() needs at least one optimizer class")
@@ -67,7 +95,9 @@ def register(*optimizer_classes, rtol: float = DEFAULT_RTOL, ulps: float = DEFAU
     def decorator(fn):
         for cls in optimizer_classes:
             name = class_path(cls)
-            _RULES[name] = ReplayRule(name=name, fn=fn, rtol=rtol, ulps=ulps)
+            rule = ReplayRule(name=name, fn=fn, rtol=rtol, ulps=ulps, torch_versions=(torch_min, torch_below))
+            others = [r for r in _RULES.get(name, []) if r.torch_versions != rule.torch_versions]
+            _RULES[name] = [rule] + others
         return fn
 
     return decorator
@@ -77,15 +107,16 @@ def unregister(optimizer_class) -> None:
     _RULES.pop(class_path(optimizer_class), None)
 
 
-def lookup(class_name: str, mro=()) -> ReplayRule | None:
-    """The rule for a recorded optimizer class, else for its nearest registered base class (as recorded)."""
+def lookup(class_name: str, mro=(), torch_version: str | None = None) -> ReplayRule | None:
+    """The rule for a recorded optimizer class (else its nearest registered base class, as recorded) that covers
+    the torch version which wrote the file."""
     for name in (class_name, *mro):
-        if name in _RULES:
-            return _RULES[name]
         # Files record defining-module paths in the MRO (torch.optim.adam.Adam); rules use torch.optim.Adam.
         short = f"torch.optim.{name.rsplit('.', 1)[-1]}" if name.startswith("torch.optim.") else None
-        if short in _RULES:
-            return _RULES[short]
+        for key in (name, short):
+            for rule in _RULES.get(key, []):
+                if _covers(rule, torch_version):
+                    return rule
     return None
 
 
