@@ -109,3 +109,20 @@ def test_verify_exit_codes_and_json(tmp_path, sample_copy):
     report = json.loads(out)
     assert code == 1 and report["exit_code"] == 1 and report["mismatched"] == 1
     assert [p["first_mismatch_step"] for p in report["params"] if p["param"] == "fc2.weight"] == [3]
+
+
+@pytest.mark.parametrize("init, flagged", [("good", False), ("bad", True)])
+def test_demo_leaves_plots_and_tables(tmp_path, init, flagged):
+    out = tmp_path / "demo"
+    code, text = run_cli("demo", "--out", str(out), "--steps", "40", "--init", init)
+    assert code == 0, text
+    analysis = out / f"analysis-{init}"
+    for name in ("update_to_data.png", "grad_to_data.png", "grad_histograms.png", "weight_histograms.png",
+                 "summary.csv", "ratios.csv"):
+        assert (analysis / name).stat().st_size > 500, name
+    assert "checks matched, 0 mismatched" in text
+    # The bad init's hidden weights move by percents per step: flagged HIGH; the good init's are not.
+    assert ("HIGH" in text) == flagged
+    # A second demo into the same folder is refused unless --force.
+    code, text = run_cli("demo", "--out", str(out), "--steps", "5", "--init", init)
+    assert code == 2 and "--force" in text

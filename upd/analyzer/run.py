@@ -146,9 +146,10 @@ class OptimizerRun:
         except (KeyError, ValueError, OSError, TypeError) as exc:
             raise RunFileError(f"{run.path}: optimizer {index} is malformed ({exc})") from None
         self.class_name = self.meta.get("class", "?")
-        self.params: dict[str, ParamRecord] = {}
-        for name, pgroup in group["params"].items():
-            self.params[name] = ParamRecord(self, name, pgroup)
+        records = [ParamRecord(self, name, pgroup) for name, pgroup in group["params"].items()]
+        # HDF5 lists names alphabetically (layers.10 before layers.3); show them in the optimizer's order.
+        records.sort(key=lambda p: (p.param_group or 0, p.meta.get("index_in_group") or 0))
+        self.params: dict[str, ParamRecord] = {p.name: p for p in records}
 
     def hparams(self, record: int) -> list[dict]:
         """The param groups' hyperparameters at one record, as the optimizer saw them (JSON-decoded)."""

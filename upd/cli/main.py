@@ -94,6 +94,17 @@ def info(run, as_json):
         click.echo(f"model parameters in no optimizer: {', '.join(desc['params_not_optimized'])}")
 
 
+def _echo_analysis(result, thresholds: Thresholds) -> None:
+    click.echo(format_summary(result.summary))
+    flagged = result.flagged
+    bounds = f"[{thresholds.low:g}, {thresholds.high:g}]"
+    if len(flagged):
+        click.echo(f"\n{len(flagged)} weight(s) outside {bounds} (healthy near {thresholds.target:g}): "
+                   + ", ".join(f"{r.param} {r.status} ({r.median_update_to_data:.2f})" for r in flagged.itertuples()))
+    else:
+        click.echo(f"\nall weights within {bounds}")
+
+
 @main.command()
 @RUN_ARG
 @click.option("--out", "out_dir", type=click.Path(file_okay=False), default=None,
@@ -127,13 +138,7 @@ def analyze(run, out_dir, csv_path, high, low, hist_step, all_params, no_plots):
             out_dir = os.path.splitext(run)[0] + "-analysis"
         result = analyze_run(r, None if no_plots else out_dir, thresholds=thresholds, hist_step=hist_step,
                              all_params=all_params)
-    click.echo(format_summary(result.summary))
-    flagged = result.flagged
-    if len(flagged):
-        click.echo(f"\n{len(flagged)} weight(s) outside [{low:g}, {high:g}] (healthy near {thresholds.target:g}): "
-                   + ", ".join(f"{r.param} {r.status} ({r.median_update_to_data:.2f})" for r in flagged.itertuples()))
-    else:
-        click.echo(f"\nall weights within [{low:g}, {high:g}]")
+    _echo_analysis(result, thresholds)
     if csv_path:
         result.ratios.to_csv(csv_path, index=False)
         click.echo(f"ratios table: {csv_path}")
@@ -214,7 +219,7 @@ def demo(out_dir, init, steps, seed, force):
     click.echo(f"recorded {path} ({os.path.getsize(path) / 1e6:.1f} MB) in {time.perf_counter() - started:.1f} s")
     analysis_dir = os.path.join(out_dir, f"analysis-{init}")
     analysis = analyze_run(path, analysis_dir)
-    click.echo(format_summary(analysis.summary))
+    _echo_analysis(analysis, Thresholds())
     csv_path = os.path.join(analysis_dir, "ratios.csv")
     analysis.ratios.to_csv(csv_path, index=False)
     report = verify_run(path)
