@@ -1,6 +1,7 @@
 """The examples in the docs run as written."""
 import os
 import re
+import sys
 
 import h5py
 import torch
@@ -54,3 +55,33 @@ def test_reading_by_hand_from_format_md(tmp_path):
         os.chdir(cwd)
     assert namespace["committed"] == 3 and namespace["step"] == 2 and namespace["lr"] == 1e-3
     assert namespace["w"].shape == (20, 64) and namespace["m"].abs().sum() > 0
+
+
+def test_cli_loads_rules_from_a_module(tmp_path, monkeypatch):
+    """`upd verify --rules MODULE` imports a module that registers a rule for an optimizer defined there."""
+    from click.testing import CliRunner
+
+    from upd.cli.main import main
+
+    module = tmp_path / "lion_rules.py"
+    module.write_text(python_blocks("verify.md")[0])
+    monkeypatch.syspath_prepend(str(tmp_path))
+    import importlib
+
+    Lion = importlib.import_module("lion_rules").Lion
+    try:
+        torch.manual_seed(0)
+        model = MLP()
+        opt = Lion(model.parameters(), lr=1e-3)
+        path = str(tmp_path / "lion.h5")
+        with upd.record(path, model, opt):
+            train_steps(model, opt, steps=2)
+        upd.replay.unregister(Lion)  # as in a fresh `upd` process, which knows no Lion rule
+        sys.modules.pop("lion_rules")
+        assert CliRunner().invoke(main, ["verify", path]).exit_code == 3
+        result = CliRunner().invoke(main, ["verify", "--rules", "lion_rules", path])
+        assert result.exit_code == 0, result.output
+        result = CliRunner().invoke(main, ["verify", "--rules", "no_such_module_xyz", path])
+        assert result.exit_code == 2 and "could not load replay rules" in result.output
+    finally:
+        upd.replay.unregister(Lion)

@@ -154,17 +154,27 @@ def analyze(run, out_dir, csv_path, high, low, hist_step, all_params, no_plots):
 @click.option("--json", "as_json", is_flag=True, help="Print the per-parameter result as JSON.")
 @click.option("--csv", "csv_path", type=click.Path(dir_okay=False), default=None,
               help="Write every check (one row per parameter and step) to this CSV file.")
-def verify(run, rtol, ulps, as_json, csv_path):
+@click.option("--rules", "rule_modules", multiple=True, metavar="MODULE",
+              help="Import MODULE first: it registers replay rules for your own optimizers with "
+                   "upd.replay.register (repeatable). Installed packages can instead declare an entry point in "
+                   "the 'torch_upd.replay_rules' group, which is always loaded.")
+def verify(run, rtol, ulps, as_json, csv_path, rule_modules):
     """Replay the optimizer's math for every recorded step of RUN and compare with the recorded update.
 
     Each step is recomputed in float64 from the recorded parameter, gradient, optimizer state and param-group
     hyperparameters, and compared with the recorded parameter after the step (and with the optimizer state at the
     next step, when that was recorded). A mismatch means the optimizer did not do what its hyperparameters say:
     clipping or scaling after the recorder's hook, a different lr, missing or doubled weight decay, or a parameter
-    changed outside the optimizer.
+    changed outside the optimizer. Each mismatch is explained when replaying an alternative (a scaled gradient,
+    another lr, weight decay dropped or doubled) reproduces the record.
     """
     from ..analyzer.verify import verify as verify_run
+    from ..replay import load_plugins
 
+    try:
+        load_plugins(rule_modules)
+    except Exception as exc:
+        _fail(f"could not load replay rules: {type(exc).__name__}: {exc}")
     report = verify_run(run, rtol=rtol, ulps=ulps)
     if csv_path:
         report.checks.to_csv(csv_path, index=False)

@@ -6,10 +6,12 @@ Every module in this package registers its rules on import; add your own with ``
 import importlib
 import pkgutil
 
-from .registry import NotReplayable, Replayed, ReplayRule, lookup, register, registered, unregister
+from .registry import (NotReplayable, Replayed, ReplayRule, load_plugins, lookup, register, registered,
+                       unregister)
 
 for _module in pkgutil.iter_modules(__path__):
     if _module.name != "registry":
         importlib.import_module(f"{__name__}.{_module.name}")
 
-__all__ = ["register", "unregister", "lookup", "registered", "Replayed", "ReplayRule", "NotReplayable"]
+__all__ = ["register", "unregister", "lookup", "registered", "load_plugins", "Replayed", "ReplayRule",
+           "NotReplayable"]

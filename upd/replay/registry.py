@@ -122,3 +122,26 @@ def lookup(class_name: str, mro=(), torch_version: str | None = None) -> ReplayR
 
 def registered() -> list[str]:
     return sorted(_RULES)
+
+
+ENTRY_POINT_GROUP = "torch_upd.replay_rules"
+
+
+def load_plugins(modules=()) -> list[str]:
+    """Import the modules that register third-party rules: the given module names, and every entry point in the
+    ``torch_upd.replay_rules`` group of the installed distributions. Returns what was loaded."""
+    import importlib
+    from importlib import metadata
+
+    loaded = []
+    for name in modules:
+        importlib.import_module(name)
+        loaded.append(name)
+    try:
+        eps = metadata.entry_points(group=ENTRY_POINT_GROUP)
+    except TypeError:  # Python < 3.10
+        eps = metadata.entry_points().get(ENTRY_POINT_GROUP, [])
+    for ep in eps:
+        ep.load()
+        loaded.append(ep.value)
+    return loaded
