@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import sys
 import time
 from datetime import datetime, timezone
@@ -193,8 +194,9 @@ def verify(run, rtol, ulps, as_json, csv_path, rule_modules):
             cols = ["param", "checked", "mismatched", "err_to_tol", "update_rel_err", "first_mismatch_step", "result"]
             if report.checks["optimizer"].nunique() > 1:
                 cols.insert(0, "optimizer")
-            shown = by_param[cols].astype({"first_mismatch_step": object}).fillna("-")
-            click.echo(shown.to_string(index=False, float_format=lambda v: f"{v:.2g}"))
+            shown = by_param[cols].astype(object).where(by_param[cols].notna(), "-")
+            click.echo(shown.to_string(index=False, formatters={
+                c: (lambda v: v if isinstance(v, str) else f"{v:.2g}") for c in ("err_to_tol", "update_rel_err")}))
         click.echo(report.summary())
     sys.exit(report.exit_code)
 
@@ -241,5 +243,13 @@ def demo(out_dir, init, steps, seed, force):
         sys.exit(report.exit_code)
 
 
-if __name__ == "__main__":
+def run() -> None:
+    """Console entry point."""
+    # `upd verify RUN | head` should end quietly like any Unix tool, not with a BrokenPipeError.
+    if hasattr(signal, "SIGPIPE"):
+        signal.signal(signal.SIGPIPE, signal.SIG_DFL)
     main()
+
+
+if __name__ == "__main__":
+    run()
