@@ -64,7 +64,7 @@ def test_bad_inputs_one_line_exit_2(tmp_path, command):
 def test_info_lists_optimizer_groups_and_params():
     code, out = run_cli("info", [p for p in SAMPLE_RUNS if "adamw" in p][0])
     assert code == 0
-    assert "torch.optim.AdamW, 2 param group(s), 20 records (steps 0..19)" in out
+    assert "torch.optim.AdamW, 2 param group(s), 20 full-tensor records (steps 0..19), 0 statistics steps" in out
     assert "fc1.weight" in out and "20x64" in out and "exp_avg_sq" in out
     code, out = run_cli("info", "--json", ADAM)
     desc = json.loads(out)

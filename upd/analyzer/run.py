@@ -239,10 +239,19 @@ class Run:
     @property
     def params(self) -> pd.DataFrame:
         """One row per recorded parameter: optimizer, param, shape, numel, dtype, group, rows, kinds, state."""
+        from .stats import stats_param_meta
+
         rows = [{"optimizer": p.optimizer.index, "param": p.name, "shape": p.shape, "numel": p.numel,
                  "dtype": p.dtype, "group": p.param_group, "rows": p.rows,
                  "kinds": ",".join(p.kinds), "state": ",".join(p.state_keys)}
                 for p in self.iter_params()]
+        for opt in self.optimizers:  # parameters that only have per-step statistics
+            for name, meta in stats_param_meta(opt).items():
+                if name not in opt.params:
+                    shape = tuple(meta.get("shape") or ())
+                    rows.append({"optimizer": opt.index, "param": name, "shape": shape,
+                                 "numel": int(np.prod(shape)) if shape else 1, "dtype": meta.get("dtype"),
+                                 "group": meta.get("group"), "rows": 0, "kinds": "", "state": ""})
         return pd.DataFrame(rows, columns=["optimizer", "param", "shape", "numel", "dtype", "group", "rows",
                                            "kinds", "state"])
 
@@ -265,18 +274,24 @@ class Run:
 
     def describe(self) -> dict:
         """What the file holds, as plain data (what `upd info` prints)."""
+        from .stats import committed_stats_rows, stats_param_meta
+
         optimizers = []
         for opt in self.optimizers:
             steps = opt.step
             optimizers.append({
                 "index": opt.index, "class": opt.class_name, "records": opt.num_records,
+                "stats_steps": committed_stats_rows(opt),
                 "first_step": int(steps[0]) if len(steps) else None,
                 "last_step": int(steps[-1]) if len(steps) else None,
                 "param_groups": int(opt.lr.shape[1]) if opt.lr.ndim == 2 else 0,
                 "defaults": opt.meta.get("defaults", {}),
                 "params": [{"name": p.name, "shape": list(p.shape), "dtype": p.dtype, "group": p.param_group,
                             "rows": p.rows, "kinds": p.kinds, "state": p.state_keys,
-                            "stored_as": p.storage_dtype()} for p in opt.params.values()],
+                            "stored_as": p.storage_dtype()} for p in opt.params.values()]
+                + [{"name": name, "shape": list(meta.get("shape") or []), "dtype": meta.get("dtype"),
+                    "group": meta.get("group"), "rows": 0, "kinds": [], "state": [], "stored_as": None}
+                   for name, meta in stats_param_meta(opt).items() if name not in opt.params],
             })
         return {"path": self.path, "size_bytes": self.size_bytes, "format_version": self.format_version,
                 "torch_version": self.torch_version, "upd_version": self.meta.get("upd_version"),
@@ -284,16 +299,40 @@ class Run:
                 "params_not_optimized": self.params_not_optimized, "optimizers": optimizers}
 
     # -- analysis ---------------------------------------------------------------------------------------------
-    def ratios(self, block_bytes: int = DEFAULT_BLOCK_BYTES) -> pd.DataFrame:
-        """Tidy DataFrame, one row per (optimizer, param, record): update:data and grad:data ratios and norms.
+    def ratios(self, block_bytes: int = DEFAULT_BLOCK_BYTES, source: str = "auto") -> pd.DataFrame:
+        """Tidy DataFrame, one row per (optimizer, param, step): update:data and grad:data ratios and norms.
 
         update_to_data = log10(std(param_after - param) / std(param)) and grad_to_data = log10(std(grad) /
-        std(param)), std as torch.std (unbiased), exactly as the seed question's loop. Streams each parameter's
-        history in bounded blocks: a large run is never loaded whole.
+        std(param)), std as torch.std (unbiased), exactly as the seed question's loop.
+
+        source: "tensors" computes them from the full tensors (streamed in bounded blocks: a large run is never
+        loaded whole); "stats" reads the per-step statistics table; "auto" (default) uses, per optimizer, whichever
+        covers more steps (statistics every step beat full tensors every 500th).
         """
         from .ratios import ratios_frame
+        from .stats import committed_stats_rows, ratios_from_stats, stats_frame
 
-        return ratios_frame(self, block_bytes)
+        if source not in ("auto", "tensors", "stats"):
+            raise ValueError(f"source must be 'auto', 'tensors' or 'stats', got {source!r}")
+        use_stats = {opt.index for opt in self.optimizers if committed_stats_rows(opt) and (
+            source == "stats" or (source == "auto" and committed_stats_rows(opt) > opt.num_records))}
+        parts = []
+        if len(use_stats) < len(self.optimizers):
+            tensors = ratios_frame(self, block_bytes)
+            parts.append(tensors[~tensors["optimizer"].isin(use_stats)])
+        if use_stats:
+            stats = stats_frame(self)
+            numel = {(r.optimizer, r.param): r.numel for r in self.params.itertuples()}
+            parts.append(ratios_from_stats(stats[stats["optimizer"].isin(use_stats)], numel))
+        parts = [p for p in parts if len(p)]
+        return pd.concat(parts, ignore_index=True) if parts else ratios_frame(self, block_bytes)
+
+    def stats(self) -> pd.DataFrame:
+        """The per-step statistics table (recorded with stats_every=): one row per (optimizer, param, step) with
+        mean, std, norm, absmax, zero_frac, nonfinite of param, grad, update and each optimizer-state tensor."""
+        from .stats import stats_frame
+
+        return stats_frame(self)
 
     def close(self) -> None:
         f = getattr(self, "_file", None)

@@ -78,14 +78,14 @@ def info(run, as_json):
     click.echo(f"{desc['path']}: torch-upd run, format v{desc['format_version']}, {desc['size_bytes'] / 1e6:.2f} MB")
     click.echo(f"  recorded {when} with torch {desc['torch_version']}, upd {desc['upd_version']}")
     opts = desc["options"]
-    click.echo(f"  options: every={opts.get('every')} what={','.join(opts.get('what', []))} "
+    click.echo(f"  options: every={opts.get('every')} stats_every={opts.get('stats_every')} what={','.join(opts.get('what', []))} "
                f"dtype={opts.get('dtype')} compression={opts.get('compression')}"
                + (f" include={opts['include']}" if opts.get("include") else "")
                + (f" exclude={opts['exclude']}" if opts.get("exclude") else ""))
     for opt in desc["optimizers"]:
         span = f"steps {opt['first_step']}..{opt['last_step']}" if opt["records"] else "no steps"
         click.echo(f"optimizer {opt['index']}: {opt['class']}, {opt['param_groups']} param group(s), "
-                   f"{opt['records']} records ({span})")
+                   f"{opt['records']} full-tensor records ({span}), {opt['stats_steps']} statistics steps")
         width = max([len(p["name"]) for p in opt["params"]] + [5])
         for p in opt["params"]:
             shape = "x".join(map(str, p["shape"])) or "scalar"

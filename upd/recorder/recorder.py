@@ -13,6 +13,7 @@ import torch
 
 from .. import __version__
 from .. import format as fmt
+from .stats import STATS, log10_ratio, tensor_stats, to_host
 from .writer import ParamSnapshot, RecordSnapshot, RunWriter
 
 
@@ -56,17 +57,22 @@ class Recorder:
     Use ``upd.record(...)`` to make one. See its docstring for the options.
     """
 
-    def __init__(self, path, model=None, optimizer=None, *, every: int = 1, include=None, exclude=None,
-                 what: Sequence[str] = fmt.WHAT_CHOICES, dtype: str = "keep", compression=None,
-                 overwrite: bool = False, strict: bool = False):
+    def __init__(self, path, model=None, optimizer=None, *, every: int | None = 1, stats_every: int | None = None,
+                 include=None, exclude=None, what: Sequence[str] = fmt.WHAT_CHOICES, dtype: str = "keep",
+                 compression=None, tensorboard=None, overwrite: bool = False, strict: bool = False):
         if optimizer is None:
             raise TypeError("upd.record needs the optimizer (or a list of optimizers) to watch")
         optimizers = list(optimizer) if isinstance(optimizer, (list, tuple)) else [optimizer]
         for opt in optimizers:
             if not isinstance(opt, torch.optim.Optimizer):
                 raise TypeError(f"expected a torch.optim.Optimizer, got {type(opt).__name__}")
-        if not isinstance(every, int) or every < 1:
-            raise ValueError(f"every must be a positive integer, got {every!r}")
+        for label, cadence in (("every", every), ("stats_every", stats_every)):
+            if cadence is not None and (not isinstance(cadence, int) or isinstance(cadence, bool) or cadence < 1):
+                raise ValueError(f"{label} must be a positive integer or None, got {cadence!r}")
+        if tensorboard is not None and stats_every is None:
+            stats_every = 1  # TensorBoard scalars come from the statistics: log them at every step
+        if every is None and stats_every is None:
+            raise ValueError("every=None and stats_every=None would record nothing")
         what = (what,) if isinstance(what, str) else tuple(what)
         unknown = set(what) - set(fmt.WHAT_CHOICES)
         if unknown:
@@ -79,6 +85,12 @@ class Recorder:
         self.path = os.fspath(path)
         self.optimizers = optimizers
         self.every = every
+        self.stats_every = stats_every
+        self._tensorboard = None
+        if tensorboard is not None:
+            from ..analyzer.tensorboard import TensorBoardSink
+
+            self._tensorboard = TensorBoardSink(tensorboard)
         self.include = [include] if isinstance(include, str) else list(include or [])
         self.exclude = [exclude] if isinstance(exclude, str) else list(exclude or [])
         self.what = what
@@ -105,7 +117,7 @@ class Recorder:
             "platform": platform.platform(),
             "created_unix": time.time(),
             "argv": list(sys.argv),
-            "options": {"every": every, "include": self.include, "exclude": self.exclude, "what": list(what),
+            "options": {"every": every, "stats_every": stats_every, "include": self.include, "exclude": self.exclude, "what": list(what),
                         "dtype": dtype, "compression": compression},
             "optimizer_count": len(optimizers),
         }
@@ -245,7 +257,9 @@ class Recorder:
             for i, p in enumerate(group["params"]):
                 self._param_name(opt_index, g, i, p, group)
                 self._hook_backward_counter(p)
-        if step % self.every:
+        full = self.every is not None and step % self.every == 0
+        with_stats = self.stats_every is not None and step % self.stats_every == 0
+        if not (full or with_stats):
             return
         names = self._names[opt_index]
         snaps = []
@@ -257,19 +271,72 @@ class Recorder:
                 if (p.grad is None and not closure_step) or not self._selected(name):
                     continue
                 snap = ParamSnapshot(name=name, group=g, index_in_group=i, param_id=id(p))
-                if "param" in self.what:
-                    snap.param = _cpu_copy(p)
-                if "grad" in self.what and not closure_step:
-                    snap.grad = _cpu_copy(p.grad)
-                if "state" in self.what:
-                    snap.state = self._state_snapshot(optimizer.state.get(p, {}))
+                if full:
+                    if "param" in self.what:
+                        snap.param = _cpu_copy(p)
+                    if "grad" in self.what and not closure_step:
+                        snap.grad = _cpu_copy(p.grad)
+                    if "state" in self.what:
+                        snap.state = self._state_snapshot(optimizer.state.get(p, {}))
+                elif with_stats:
+                    # Statistics only: the one snapshot the update needs, kept on the parameter's device and freed
+                    # after the step. Gradient and state statistics are launched now, read after the step.
+                    snap.param = p.detach().clone()
+                    snap.stats = {}
+                    if p.grad is not None:
+                        snap.stats["grad"] = tensor_stats(p.grad)
+                    for key, value in optimizer.state.get(p, {}).items():
+                        if isinstance(value, torch.Tensor) and value.numel() > 0:
+                            snap.stats[f"state.{key}"] = tensor_stats(value)
                 snap.param_after = p  # replaced by a copy in the post-hook
                 snaps.append(snap)
         backward = max((self._backward_counts.get(id(p), 0) for g in optimizer.param_groups for p in g["params"]),
                        default=0)
         self._pending[opt_index] = RecordSnapshot(
             optimizer=opt_index, step=step, backward_pass=backward, wall_time=time.time(),
-            hparams=[_group_hparams(g) for g in optimizer.param_groups], params=snaps, closure=closure_step)
+            hparams=[_group_hparams(g) for g in optimizer.param_groups], params=snaps, closure=closure_step,
+            full=full, stats={} if with_stats else None)
+
+    def _step_statistics(self, rec: RecordSnapshot) -> dict:
+        """Summary statistics of every recorded parameter at this step, with one device-to-host copy in all."""
+        parts, index = [], []
+        for snap in rec.params:
+            live = snap.param_after  # the parameter itself, after the step
+            if rec.full:  # statistics of the CPU copies taken for the full record
+                done = {}
+                raw = {"param": snap.param, "grad": snap.grad}
+                raw.update({f"state.{k}": v for k, v in snap.state.items()})
+                after = live.detach().to("cpu") if snap.param is not None else None
+            else:  # grad and state statistics were launched before the step, on the device
+                done = snap.stats
+                raw = {"param": snap.param}
+                if "grad" not in done and live.grad is not None:  # step(closure): the gradient of the last call
+                    raw["grad"] = live.grad
+                after = live.detach()
+            if snap.param is not None and after is not None:
+                raw["update"] = after - snap.param
+            for kind, t in raw.items():
+                if t is not None:
+                    parts.append(tensor_stats(t))
+                    index.append((snap.name, kind))
+            for kind, stats in done.items():
+                parts.append(stats)
+                index.append((snap.name, kind))
+        host = to_host(parts)
+        for snap in rec.params:
+            live = snap.param_after
+            rec.stats_meta[snap.name] = {"name": snap.name, "group": snap.group, "index_in_group": snap.index_in_group,
+                                         "shape": list(live.shape), "dtype": str(live.dtype).replace("torch.", "")}
+        out: dict[str, dict] = {}
+        for (name, kind), row in zip(index, host.tolist()):
+            values = out.setdefault(name, {})
+            for stat, v in zip(STATS, row):
+                values[f"{kind}_{stat}"] = v
+        for values in out.values():
+            p_std = values.get("param_std", float("nan"))
+            values["update_to_data"] = log10_ratio(values.get("update_std", float("nan")), p_std)
+            values["grad_to_data"] = log10_ratio(values.get("grad_std", float("nan")), p_std)
+        return out
 
     @staticmethod
     def _state_snapshot(state: dict) -> dict:
@@ -287,12 +354,20 @@ class Recorder:
         rec = self._pending.pop(opt_index, None)
         if rec is None:
             return
-        if rec.closure and "grad" in self.what:
+        if rec.closure and "grad" in self.what and rec.full:
             # Parameters the closure gave no gradient were skipped by the optimizer, as in a plain step.
             rec.params = [snap for snap in rec.params if snap.grad is not None]
-        for snap in rec.params:
-            snap.param_after = _cpu_copy(snap.param_after) if "param" in self.what else None
+        if rec.stats is not None:
+            rec.stats = self._step_statistics(rec)
+        if rec.full:
+            for snap in rec.params:
+                snap.param_after = _cpu_copy(snap.param_after) if "param" in self.what else None
+        else:
+            rec.params = []  # statistics only: release the device snapshots now
         self._writer.write(rec)
+        if self._tensorboard is not None and rec.stats:
+            prefix = f"opt{opt_index}:" if opt_index else ""
+            self._tensorboard.write(rec.step, {prefix + name: values for name, values in rec.stats.items()})
         self._records[opt_index] += 1
 
     # -- lifetime ---------------------------------------------------------------------------------------------
@@ -312,6 +387,8 @@ class Recorder:
         self.active = False
         self._remove_hooks()
         self._pending.clear()
+        if self._tensorboard is not None:
+            self._tensorboard.close()
         if was_active:
             try:
                 self._writer.close()
