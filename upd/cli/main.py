@@ -121,7 +121,10 @@ def _echo_analysis(result, thresholds: Thresholds) -> None:
               help="Optimizer step for the histograms (default: the last recorded step).")
 @click.option("--all-params", is_flag=True, help="Plot biases and norm scales too, not only weights (ndim >= 2).")
 @click.option("--no-plots", is_flag=True, help="Print the summary only; write no PNGs.")
-def analyze(run, out_dir, csv_path, high, low, hist_step, all_params, no_plots):
+@click.option("--tensorboard", "tb_dir", type=click.Path(file_okay=False), default=None,
+              help="Also export the ratios and norms as TensorBoard scalars to this log dir "
+                   "(needs the tensorboard extra).")
+def analyze(run, out_dir, csv_path, high, low, hist_step, all_params, no_plots, tb_dir):
     """Compute update:data and grad:data ratios for every parameter and step of RUN.
 
     Prints one line per parameter: latest and median log10(std(update)/std(weight)) and log10(std(grad)/std(weight)),
@@ -143,6 +146,14 @@ def analyze(run, out_dir, csv_path, high, low, hist_step, all_params, no_plots):
     if csv_path:
         result.ratios.to_csv(csv_path, index=False)
         click.echo(f"ratios table: {csv_path}")
+    if tb_dir:
+        from ..analyzer.tensorboard import export_ratios
+
+        try:
+            count = export_ratios(result.ratios, tb_dir)
+        except ImportError as exc:
+            _fail(str(exc))
+        click.echo(f"TensorBoard: {count} scalars in {tb_dir}/ (tensorboard --logdir {tb_dir})")
     if result.plots:
         click.echo(f"plots and summary.csv in {out_dir}/")
 
