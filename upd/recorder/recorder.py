@@ -59,7 +59,8 @@ class Recorder:
 
     def __init__(self, path, model=None, optimizer=None, *, every: int | None = 1, stats_every: int | None = None,
                  include=None, exclude=None, what: Sequence[str] = fmt.WHAT_CHOICES, dtype: str = "keep",
-                 compression=None, tensorboard=None, overwrite: bool = False, strict: bool = False):
+                 compression=None, tensorboard=None, overwrite: bool = False, resume: bool = False,
+                 strict: bool = False):
         if optimizer is None:
             raise TypeError("upd.record needs the optimizer (or a list of optimizers) to watch")
         optimizers = list(optimizer) if isinstance(optimizer, (list, tuple)) else [optimizer]
@@ -121,15 +122,22 @@ class Recorder:
                         "dtype": dtype, "compression": compression},
             "optimizer_count": len(optimizers),
         }
-        self._writer = RunWriter(self.path, meta, overwrite=overwrite, storage_dtype=dtype, compression=compression)
+        if overwrite and resume:
+            raise ValueError("pass overwrite=True or resume=True, not both")
+        self._writer = RunWriter(self.path, meta, overwrite=overwrite, storage_dtype=dtype, compression=compression,
+                                 resume=resume)
         try:
             for i, opt in enumerate(optimizers):
-                self._writer.add_optimizer(i, {
+                opt_meta = {
                     "class": _optimizer_class_name(opt),
                     "mro": [_class_path(c) for c in type(opt).__mro__ if issubclass(c, torch.optim.Optimizer)],
                     "defaults": fmt.jsonable({k: v for k, v in opt.defaults.items() if k != "params"}),
                     "initial_step": self._steps_done[i],
-                })
+                    "params": self._param_layout(i, opt),
+                }
+                if resume:
+                    self._check_resume(i, opt, opt_meta)
+                self._writer.add_optimizer(i, opt_meta)
                 self._handles.append(opt.register_step_pre_hook(self._make_pre_hook(i)))
                 self._handles.append(opt.register_step_post_hook(self._make_post_hook(i)))
             for opt in optimizers:
@@ -147,6 +155,39 @@ class Recorder:
             self._writer.close()
             raise
         self.active = True
+
+    def _param_layout(self, opt_index: int, opt) -> list:
+        """Name, shape and group of every parameter the optimizer holds now (resume compares against it)."""
+        return [{"name": self._param_name(opt_index, g, i, p, group), "shape": list(p.shape), "group": g}
+                for g, group in enumerate(opt.param_groups) for i, p in enumerate(group["params"])]
+
+    def _check_resume(self, index: int, opt, opt_meta: dict) -> None:
+        stored = self._writer.optimizer_meta(index)
+        if stored is None:
+            return  # an optimizer the earlier run did not have: recorded from now on
+        problems = []
+        if stored.get("class") != opt_meta["class"]:
+            problems.append(f"optimizer {index} was {stored.get('class')}, now {opt_meta['class']}")
+        before = {p["name"]: p["shape"] for p in stored.get("params", [])}
+        now = {p["name"]: p["shape"] for p in opt_meta["params"]}
+        if stored.get("params") is not None:
+            missing, added = sorted(set(before) - set(now)), sorted(set(now) - set(before))
+            if missing:
+                problems.append(f"parameters no longer in optimizer {index}: {', '.join(missing)}")
+            if added:
+                problems.append(f"parameters new in optimizer {index}: {', '.join(added)}")
+            reshaped = [f"{n} {before[n]} -> {now[n]}" for n in sorted(set(before) & set(now)) if before[n] != now[n]]
+            if reshaped:
+                problems.append(f"shapes changed: {'; '.join(reshaped)}")
+        if problems:
+            self._writer.close()
+            raise ValueError(f"{self.path}: cannot resume into this run: " + "; ".join(problems)
+                             + ". Record to a new file instead.")
+        if not any(isinstance(s.get("step"), torch.Tensor) for s in opt.state.values()):
+            # No step counter in the optimizer's state (plain SGD): continue after the last recorded step.
+            last = self._writer.last_step(index)
+            if last is not None:
+                self._steps_done[index] = max(self._steps_done[index], last + 1)
 
     # -- naming and selection ---------------------------------------------------------------------------------
     def _param_name(self, opt_index: int, group_index: int, index_in_group: int, param, group: dict) -> str:
@@ -430,6 +471,9 @@ def record(path, model=None, optimizer=None, **options) -> Recorder:
         compression: ``None`` (default: float32 weights barely compress and it costs 2.5-35x write time),
             ``"lzf"`` or ``"gzip"``.
         overwrite: replace an existing file.
+        resume: append to an existing run (training restarted from a checkpoint): step numbers continue from the
+            optimizer's own step counter (or after the last recorded step for optimizers without one); a different
+            optimizer class, parameter set or shape is an error. Without an existing file, starts a new run.
         strict: raise recorder errors instead of warning once and stopping recording.
     """
     return Recorder(path, model, optimizer, **options)

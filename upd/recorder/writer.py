@@ -57,10 +57,15 @@ def _chunks(shape: tuple) -> tuple:
 
 
 class RunWriter:
-    def __init__(self, path: str, meta: dict, *, overwrite: bool, storage_dtype: str, compression):
+    def __init__(self, path: str, meta: dict, *, overwrite: bool, storage_dtype: str, compression,
+                 resume: bool = False):
         self.path = os.fspath(path)
         self.storage_dtype = storage_dtype
         self.compression = compression
+        self._records_written: dict[int, int] = {}
+        if resume and os.path.exists(self.path):
+            self._reopen(meta)
+            return
         mode = "w" if overwrite else "w-"
         try:
             # A chunk cache large enough for the statistics table's 64-step chunks: appends stay in memory until
@@ -73,10 +78,55 @@ class RunWriter:
         self.file.attrs[fmt.ATTR_META] = fmt.to_json(meta)
         self.file.create_group("optimizers")
         self.file.flush()
-        self._records_written: dict[int, int] = {}
+
+    def _reopen(self, meta: dict) -> None:
+        """Append to an existing run: drop rows of a record that was never committed (a crash mid-step)."""
+        self.file = h5py.File(self.path, "r+", rdcc_nbytes=32 * 1024 * 1024)
+        if self.file.attrs.get(fmt.ATTR_FORMAT) != fmt.FORMAT_NAME or \
+                self.file.attrs.get(fmt.ATTR_VERSION) != fmt.FORMAT_VERSION:
+            self.file.close()
+            raise ValueError(f"{self.path}: cannot resume: not a torch-upd run of format version {fmt.FORMAT_VERSION}")
+        resumes = fmt.from_json(self.file.attrs.get("resumes", "[]"))
+        resumes.append({k: meta.get(k) for k in ("created_unix", "argv", "torch_version", "upd_version")})
+        self.file.attrs["resumes"] = fmt.to_json(resumes)
+        for key, opt in self.file["optimizers"].items():
+            committed = int(opt["records"]["step"].shape[0])
+            self._records_written[int(key)] = committed
+            for name in ("backward_pass", "wall_time", "lr", "hparams", "closure_losses"):
+                if name in opt["records"] and opt["records"][name].shape[0] > committed:
+                    opt["records"][name].resize(committed, axis=0)
+            for grp in opt["params"].values():
+                valid = int((grp[fmt.RECORD_INDEX][()] < committed).sum())
+                for ds in [grp[fmt.RECORD_INDEX], grp.get(fmt.STATE_PRESENT)] + [
+                        grp[k] for k in (fmt.KIND_PARAM, fmt.KIND_GRAD, fmt.KIND_PARAM_AFTER) if k in grp] + \
+                        list(grp[fmt.STATE_GROUP].values()):
+                    if ds is not None and ds.shape[0] > valid:
+                        ds.resize(valid, axis=0)
+            if "stats" in opt:
+                rows = int(opt["stats"]["step"].shape[0])
+                for name in ("wall_time", "lr", "values"):
+                    if name in opt["stats"] and opt["stats"][name].shape[0] > rows:
+                        opt["stats"][name].resize(rows, axis=0)
+        self.file.flush()
+
+    def optimizer_meta(self, index: int) -> dict | None:
+        """The stored metadata of optimizer `index`, or None when the run has no such optimizer."""
+        grp = self.file["optimizers"].get(str(index))
+        return None if grp is None else fmt.from_json(grp.attrs[fmt.ATTR_META])
+
+    def last_step(self, index: int) -> int | None:
+        grp = self.file["optimizers"].get(str(index))
+        if grp is None:
+            return None
+        steps = [int(grp["records"]["step"][-1])] if grp["records"]["step"].shape[0] else []
+        if "stats" in grp and grp["stats"]["step"].shape[0]:
+            steps.append(int(grp["stats"]["step"][-1]))
+        return max(steps) if steps else None
 
     # -- structure -------------------------------------------------------------------------------------------
     def add_optimizer(self, index: int, meta: dict) -> None:
+        if str(index) in self.file["optimizers"]:  # resuming: the optimizer's structure is there already
+            return
         grp = self.file["optimizers"].create_group(str(index))
         grp.attrs[fmt.ATTR_META] = fmt.to_json(meta)
         rec = grp.create_group("records")
