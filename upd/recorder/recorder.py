@@ -1,12 +1,16 @@
 """The recorder: attaches to optimizers through torch's step pre/post hooks and writes what each step did."""
 from __future__ import annotations
 
+import atexit
 import fnmatch
 import os
 import platform
+import signal
 import sys
+import threading
 import time
 import warnings
+import weakref
 from typing import Iterable, Sequence
 
 import torch
@@ -19,6 +23,63 @@ from .writer import ParamSnapshot, RecordSnapshot, RunWriter
 
 class RecorderWarning(UserWarning):
     """The recorder stopped recording; training goes on."""
+
+
+# Recorders still open, closed at interpreter exit and on SIGTERM so their files end cleanly.
+_LIVE: "weakref.WeakSet[Recorder]" = weakref.WeakSet()
+_HANDLERS_INSTALLED = False
+
+
+_PENDING_SIGNAL: list = []  # a SIGTERM that arrived while a recorder was inside its hook
+
+
+def _close_all_live() -> None:
+    for rec in list(_LIVE):
+        try:
+            rec.close()
+        except Exception:
+            pass
+
+
+def _install_exit_handlers() -> None:
+    """Close open runs at exit and on SIGTERM, then let the signal do what it did before (the user's handler, or
+    the default: terminate). Installed once, and only from the main thread (signal handlers can only be set there)."""
+    global _HANDLERS_INSTALLED
+    if _HANDLERS_INSTALLED:
+        return
+    _HANDLERS_INSTALLED = True
+    atexit.register(_close_all_live)
+    if threading.current_thread() is not threading.main_thread() or not hasattr(signal, "SIGTERM"):
+        return
+    previous = signal.getsignal(signal.SIGTERM)
+
+    def on_sigterm(signum, frame):
+        # Arriving in the middle of a recorder's hook (inside an HDF5 write), closing the file under that frame
+        # could corrupt it: the hook finishes first (milliseconds), then the signal is handled.
+        if any(rec._busy for rec in list(_LIVE)):
+            _PENDING_SIGNAL.append((signum, frame))
+            return
+        finish(signum, frame)
+
+    def finish(signum, frame):
+        _close_all_live()
+        if callable(previous):
+            previous(signum, frame)
+        elif previous == signal.SIG_IGN:
+            return
+        else:  # default action: terminate, as if we had never been here
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    global _FINISH_SIGNAL
+    _FINISH_SIGNAL = finish
+    try:
+        signal.signal(signal.SIGTERM, on_sigterm)
+    except (ValueError, OSError):
+        pass
+
+
+_FINISH_SIGNAL = None
 
 
 def _class_path(cls: type) -> str:
@@ -97,6 +158,7 @@ class Recorder:
         self.what = what
         self.strict = strict
         self.active = False
+        self._busy = False  # inside one of our hooks (signal handlers must not close the file then)
         self.error: BaseException | None = None
 
         self._model_names = {}
@@ -155,6 +217,8 @@ class Recorder:
             self._writer.close()
             raise
         self.active = True
+        _LIVE.add(self)
+        _install_exit_handlers()
 
     def _param_layout(self, opt_index: int, opt) -> list:
         """Name, shape and group of every parameter the optimizer holds now (resume compares against it)."""
@@ -272,10 +336,15 @@ class Recorder:
         return post_hook
 
     def _guard(self, fn, *args) -> None:
+        self._busy = True
         try:
             fn(*args)
         except Exception as exc:  # never take training down with the recorder
             self._fail(exc)
+        finally:
+            self._busy = False
+            if _PENDING_SIGNAL and _FINISH_SIGNAL is not None:
+                _FINISH_SIGNAL(*_PENDING_SIGNAL.pop())
 
     def _fail(self, exc: BaseException) -> None:
         self.error = exc
@@ -430,8 +499,10 @@ class Recorder:
         self._pending.clear()
         if self._tensorboard is not None:
             self._tensorboard.close()
+        _LIVE.discard(self)
         if was_active:
             try:
+                self._writer.set_attr("closed_cleanly", True)
                 self._writer.close()
             except Exception as exc:
                 if self.strict:

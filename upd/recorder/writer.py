@@ -86,6 +86,8 @@ class RunWriter:
                 self.file.attrs.get(fmt.ATTR_VERSION) != fmt.FORMAT_VERSION:
             self.file.close()
             raise ValueError(f"{self.path}: cannot resume: not a torch-upd run of format version {fmt.FORMAT_VERSION}")
+        if "closed_cleanly" in self.file.attrs:
+            del self.file.attrs["closed_cleanly"]
         resumes = fmt.from_json(self.file.attrs.get("resumes", "[]"))
         resumes.append({k: meta.get(k) for k in ("created_unix", "argv", "torch_version", "upd_version")})
         self.file.attrs["resumes"] = fmt.to_json(resumes)
