@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import os
+import stat
 from functools import cached_property
 from typing import Iterator
 
@@ -16,9 +17,48 @@ from .. import format as fmt
 class RunFileError(Exception):
     """The file cannot be used as a torch-upd run. The message is one line naming the file and the problem."""
 
+    def __init__(self, message="", *args):
+        # One line, whatever an underlying library put into the text.
+        super().__init__(" ".join(str(message).splitlines()), *args)
+
 
 # Rows read at once when streaming a parameter's history: bounds memory on large runs.
 DEFAULT_BLOCK_BYTES = 64 * 1024 * 1024
+
+# What the reader accepts from an untrusted file (docs/reliability.md, "Hostile and broken files").
+MAX_RANK = 32  # HDF5's own limit on dataset rank
+MAX_NUMEL = 2 ** 48  # elements of one parameter, as declared in its metadata
+# Uncompressed, one block the reader reads at once (a record-table column, one row of a tensor) is stored in the
+# file, so it cannot be larger than the file; HDF5's compression filters shrink data at most ~1032:1 (deflate).
+# A declared shape beyond that is refused before anything is read or allocated.
+MAX_COMPRESSION_RATIO = 4096
+_NUMERIC_KINDS = "fiucb"  # numpy dtype kinds a tensor dataset may have: float, int, uint, complex, bool
+
+
+def _problem(exc: BaseException) -> str:
+    """An exception as a short one-line phrase for a RunFileError message."""
+    text = " ".join(str(exc).split())
+    if len(text) > 200:
+        text = text[:200] + "..."
+    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
+
+
+class _Reading:
+    """Context manager at the I/O edge: any error from h5py, numpy or JSON decoding while reading a part of the
+    file becomes a RunFileError naming the file and that part. Wraps reads only, never the caller's own errors."""
+
+    __slots__ = ("path", "what")
+
+    def __init__(self, path: str, what: str):
+        self.path, self.what = path, what
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, etype, exc, tb) -> bool:
+        if exc is None or isinstance(exc, RunFileError) or not isinstance(exc, Exception):
+            return False
+        raise RunFileError(f"{self.path}: cannot read {self.what} ({_problem(exc)})") from exc
 
 
 def _check_path(path: str) -> None:
@@ -28,27 +68,268 @@ def _check_path(path: str) -> None:
         raise RunFileError(f"{path}: is a directory, not a run file")
     if not os.access(path, os.R_OK):
         raise RunFileError(f"{path}: permission denied")
-    if os.path.getsize(path) == 0:
+    try:
+        st = os.stat(path)
+    except OSError as exc:
+        raise RunFileError(f"{path}: cannot stat the file ({_problem(exc)})") from None
+    if not stat.S_ISREG(st.st_mode):  # a FIFO or a device would block or never end
+        raise RunFileError(f"{path}: not a regular file")
+    if st.st_size == 0:
         raise RunFileError(f"{path}: empty file, not a run file")
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, (int, np.integer)) and not isinstance(value, (bool, np.bool_))
+
+
+def _is_list_of_str(value) -> bool:
+    return isinstance(value, list) and all(isinstance(v, str) for v in value)
+
+
+def _shape_problem(shape) -> str | None:
+    """Why a shape from JSON metadata is not a sane tensor shape, or None when it is (None = no shape)."""
+    if shape is None:
+        return None
+    if not isinstance(shape, list) or not all(_is_int(d) for d in shape):
+        return f"shape {str(shape)[:80]} is not a list of integers"
+    if len(shape) > MAX_RANK:
+        return f"shape has {len(shape)} dimensions (at most {MAX_RANK})"
+    if any(d < 0 for d in shape):
+        return f"shape {shape} has a negative size"
+    numel = 1
+    for d in shape:
+        numel *= int(d)
+    if numel > MAX_NUMEL:
+        return f"shape {str(shape)[:80]} declares {numel} elements (at most {MAX_NUMEL})"
+    return None
+
+
+_TORCH_TO_NUMPY: dict[str, np.dtype | None] = {}
+
+
+def _numpy_dtype_of(torch_dtype_name: str) -> np.dtype | None:
+    """The numpy dtype a tensor of this torch dtype is stored as (uint16 for bfloat16), None for no such dtype."""
+    if torch_dtype_name not in _TORCH_TO_NUMPY:
+        target = getattr(torch, torch_dtype_name, None) if torch_dtype_name.isidentifier() else None
+        if target == torch.bfloat16:
+            found = np.dtype(np.uint16)
+        elif isinstance(target, torch.dtype):
+            try:
+                found = torch.empty((), dtype=target).numpy().dtype
+            except (TypeError, RuntimeError):
+                found = None
+        else:
+            found = None
+        _TORCH_TO_NUMPY[torch_dtype_name] = found
+    return _TORCH_TO_NUMPY[torch_dtype_name]
+
+
+class _Validator:
+    """Structure checks of one open file: every object is where the format puts it, with the expected kind of
+    dtype and rank, and sizes this file can actually hold. Raises RunFileError naming the file and the object."""
+
+    def __init__(self, path: str, file_size: int):
+        self.path = path
+        self.file_size = file_size
+        self._filtered: dict = {}  # dataset id -> has HDF5 filters (compression)
+
+    def fail(self, where: str, problem: str) -> RunFileError:
+        return RunFileError(f"{self.path}: {where}: {problem}")
+
+    def reading(self, where: str) -> _Reading:
+        return _Reading(self.path, where)
+
+    def child(self, group: h5py.Group, name: str, where: str, kind=h5py.Dataset, required: bool = True):
+        """group[name] as a hard-linked object of the given kind (None when absent and not required)."""
+        with self.reading(where):
+            link = _link_type(group, name)
+            if link is None:
+                if required:
+                    raise self.fail(where, "missing")
+                return None
+            if link != h5py.h5l.TYPE_HARD:  # never followed: an external link opens another file, soft links loop
+                raise self.fail(where, f"is a {_LINK_NAMES.get(link, 'link')}; a run file holds its data itself")
+            obj = group[name]
+        if not isinstance(obj, kind):
+            found = "group" if isinstance(obj, h5py.Group) else "dataset" if isinstance(obj, h5py.Dataset) \
+                else type(obj).__name__
+            raise self.fail(where, f"is a {found}, expected a {'group' if kind is h5py.Group else 'dataset'}")
+        return obj
+
+    def members(self, group: h5py.Group, where: str) -> list[str]:
+        with self.reading(where):
+            return list(group)
+
+    def json_attr(self, obj, name: str, where: str, expected: type | None = None, default=None, required=True):
+        """A JSON text attribute, decoded with the size limit of upd.format; expected: the JSON type it must be."""
+        with self.reading(f"{where} attribute {name!r}"):
+            try:
+                raw = obj.attrs[name]
+            except KeyError:
+                if required:
+                    raise self.fail(where, f"attribute {name!r} missing") from None
+                return default
+        try:
+            value = fmt.from_json(raw)
+        except (ValueError, RecursionError, MemoryError) as exc:  # RecursionError: "[[[[..." nested too deep
+            raise self.fail(where, f"attribute {name!r} is not valid JSON text ({_problem(exc)})") from None
+        if expected is not None and not isinstance(value, expected):
+            raise self.fail(where, f"attribute {name!r} is JSON {type(value).__name__}, expected "
+                                   f"{expected.__name__ if isinstance(expected, type) else 'another type'}")
+        return value
+
+    def limit(self, ds: h5py.Dataset) -> int:
+        filtered = self._filtered.get(ds.id)
+        if filtered is None:
+            with self.reading(ds.name):
+                filtered = ds.id.get_create_plist().get_nfilters() > 0
+        return self.file_size * (MAX_COMPRESSION_RATIO if filtered else 1)
+
+    def dataset(self, group, name: str, where: str, kinds: str, rank: int | None = None, min_rank: int = 1,
+                required: bool = True) -> h5py.Dataset | None:
+        """group[name] as a dataset whose dtype kind is in kinds and whose rank is rank (or at least min_rank)."""
+        ds = self.child(group, name, where, h5py.Dataset, required)
+        if ds is None:
+            return None
+        with self.reading(where):
+            dtype, shape = ds.dtype, ds.shape
+            dcpl = ds.id.get_create_plist()
+            layout, external = dcpl.get_layout(), dcpl.get_external_count()
+            self._filtered[ds.id] = dcpl.get_nfilters() > 0
+        if external or layout == h5py.h5d.VIRTUAL:
+            raise self.fail(where, "stores its data in other files; a run file holds its data itself")
+        if shape is None:
+            raise self.fail(where, "has no dataspace (an empty dataset)")
+        if kinds == "string":
+            if h5py.check_string_dtype(dtype) is None:
+                raise self.fail(where, f"has dtype {dtype}, expected UTF-8 strings")
+        elif dtype.kind not in kinds or dtype.fields is not None or dtype.subdtype is not None \
+                or not dtype.isnative:
+            raise self.fail(where, f"has dtype {dtype}, expected {_KIND_NAMES.get(kinds, kinds)}")
+        if rank is not None and len(shape) != rank:
+            raise self.fail(where, f"has shape {shape}, expected {rank} dimension(s)")
+        if len(shape) < min_rank:
+            raise self.fail(where, f"has shape {shape}, expected at least {min_rank} dimension(s)")
+        return ds
+
+    def readable(self, ds: h5py.Dataset, rows: int, where: str) -> None:
+        """Refuse reading `rows` rows of ds in one block when this file cannot hold that much data."""
+        if rows <= 0:
+            return
+        per_row = ds.dtype.itemsize
+        for d in ds.shape[1:]:
+            per_row *= int(d)
+        need = rows * per_row
+        if need > self.file_size and need > self.limit(ds):
+            raise self.fail(where, f"declares shape {ds.shape}: {_size(need)} to read at once, more than a "
+                                   f"{_size(self.file_size)} file can hold")
+
+    def tensor_dtype(self, ds: h5py.Dataset, where: str) -> str | None:
+        """The torch_dtype attribute of a tensor dataset, checked against the numpy dtype it is stored as."""
+        with self.reading(f"{where} attribute 'torch_dtype'"):
+            raw = ds.attrs.get("torch_dtype")
+        if raw is None:
+            return None
+        if isinstance(raw, bytes):
+            raw = raw.decode("utf-8", "replace")
+        if not isinstance(raw, str):
+            raise self.fail(where, f"attribute 'torch_dtype' is {type(raw).__name__}, expected a dtype name")
+        expected = _numpy_dtype_of(raw)
+        if expected is None:
+            raise self.fail(where, f"attribute 'torch_dtype' {raw[:40]!r} is not a torch dtype this reader knows")
+        if ds.dtype != expected:
+            raise self.fail(where, f"holds {ds.dtype} data but its torch_dtype says {raw}")
+        return raw
+
+
+_LINK_NAMES = {h5py.h5l.TYPE_SOFT: "soft link", h5py.h5l.TYPE_EXTERNAL: "link to another file"}
+
+
+def _link_type(group: h5py.Group, name: str) -> int | None:
+    """The type of the link group/name (h5py.h5l.TYPE_*), None when there is none; follows no link but hard links
+    (a path like 'state/exp_avg' is resolved one hard-linked component at a time)."""
+    parts = name.split("/")
+    for i in range(1, len(parts) + 1):
+        path = "/".join(parts[:i]).encode("utf-8")
+        if not group.id.links.exists(path):
+            return None
+        kind = group.id.links.get_info(path).type
+        if kind != h5py.h5l.TYPE_HARD or i == len(parts):
+            return kind
+    return None
+
+
+_KIND_NAMES = {"iu": "integers", "fiu": "numbers", "f": "floats", _NUMERIC_KINDS: "numbers", "iub": "integers"}
+
+
+def _size(nbytes: int) -> str:
+    for unit in ("bytes", "KiB", "MiB", "GiB", "TiB", "PiB"):
+        if nbytes < 1024 or unit == "PiB":
+            return f"{nbytes:.0f} {unit}" if unit == "bytes" else f"{nbytes:.1f} {unit}"
+        nbytes /= 1024
+    return f"{nbytes} bytes"
 
 
 class ParamRecord:
     """One parameter's recorded history inside one optimizer."""
 
-    def __init__(self, optimizer: "OptimizerRun", name: str, group: h5py.Group):
+    def __init__(self, optimizer: "OptimizerRun", name: str, group: h5py.Group, check: "_Validator | None" = None):
         self.optimizer = optimizer
         self.name = name
         self._group = group
-        try:
-            self.meta = fmt.from_json(group.attrs[fmt.ATTR_META])
-            records = group[fmt.RECORD_INDEX][()]
-        except (KeyError, ValueError, OSError) as exc:
-            raise RunFileError(f"{optimizer.run.path}: parameter {name!r} is malformed ({exc})") from None
+        check = check or _Validator(optimizer.run.path, optimizer.run.size_bytes)
+        where = f"parameter {name!r} of optimizer {optimizer.index}"
+        self.meta = check.json_attr(group, fmt.ATTR_META, where, dict)
+        problem = _shape_problem(self.meta.get("shape"))
+        if problem is None and not (self.meta.get("dtype") is None or isinstance(self.meta.get("dtype"), str)):
+            problem = "dtype is not a string"
+        for key in ("group", "index_in_group"):
+            value = self.meta.get(key)
+            if problem is None and value is not None and not (_is_int(value) and value >= 0):
+                problem = f"{key} {str(value)[:40]} is not a non-negative integer"
+        if problem:
+            raise check.fail(where, f"metadata {problem}")
+        index_ds = check.dataset(group, fmt.RECORD_INDEX, f"{where}: dataset 'record'", "iu", rank=1)
+        check.readable(index_ds, index_ds.shape[0], f"{where}: dataset 'record'")
+        with check.reading(f"{where}: dataset 'record'"):
+            records = index_ds[()].astype(np.int64, copy=False)
+        if len(records) and (records.min() < 0 or (np.diff(records) < 0).any()):
+            raise check.fail(f"{where}: dataset 'record'", "record indices are negative or not in increasing order")
         # Rows whose record was never committed (a crash mid-record) do not exist for readers.
         self.records = records[records < optimizer.num_records]
-        self.shape = tuple(self.meta.get("shape") or ())
+        self.shape = tuple(int(d) for d in self.meta.get("shape") or ())
         self.dtype = self.meta.get("dtype")
         self.param_group = self.meta.get("group")
+        if self.param_group is not None:
+            self.param_group = int(self.param_group)
+        self._storage: dict[str, str | None] = {}
+        for kind in (fmt.KIND_PARAM, fmt.KIND_GRAD, fmt.KIND_PARAM_AFTER):
+            ds = check.dataset(group, kind, f"{where}: dataset {kind!r}", _NUMERIC_KINDS, required=False)
+            if ds is None:
+                continue
+            if ds.shape[1:] != self.shape:
+                raise check.fail(f"{where}: dataset {kind!r}", f"has shape {ds.shape}: rows of {list(ds.shape[1:])}, "
+                                                              f"but the parameter's shape is {list(self.shape)}")
+            if ds.shape[0] < self.rows:
+                raise check.fail(f"{where}: dataset {kind!r}", f"has {ds.shape[0]} rows, fewer than the parameter's "
+                                                              f"{self.rows} committed records")
+            check.readable(ds, 1 if self.rows else 0, f"{where}: dataset {kind!r}")
+            self._storage[kind] = check.tensor_dtype(ds, f"{where}: dataset {kind!r}")
+        self._state_keys: list[str] = []
+        state = check.child(group, fmt.STATE_GROUP, f"{where}: group 'state'", h5py.Group, required=False)
+        if state is not None:
+            keys = check.json_attr(state, "keys", f"{where}: group 'state'", list, default=[], required=False)
+            if not _is_list_of_str(keys):
+                raise check.fail(f"{where}: group 'state'", "attribute 'keys' is not a JSON list of strings")
+            self._state_keys = list(keys)
+            for key in keys:
+                ds = check.dataset(state, key, f"{where}: state {key!r}", _NUMERIC_KINDS, required=False)
+                if ds is not None:  # absent: only an error if a committed row says it is present (state_at)
+                    check.readable(ds, 1, f"{where}: state {key!r}")
+                    check.tensor_dtype(ds, f"{where}: state {key!r}")
+            if keys:
+                present = check.dataset(group, fmt.STATE_PRESENT, f"{where}: dataset 'state_present'", "iub", rank=2)
+                check.readable(present, 1, f"{where}: dataset 'state_present'")
 
     @property
     def rows(self) -> int:
@@ -60,27 +341,44 @@ class ParamRecord:
 
     @property
     def kinds(self) -> list[str]:
-        return [k for k in (fmt.KIND_PARAM, fmt.KIND_GRAD, fmt.KIND_PARAM_AFTER) if k in self._group]
+        return [k for k in (fmt.KIND_PARAM, fmt.KIND_GRAD, fmt.KIND_PARAM_AFTER) if k in self._storage]
 
     @cached_property
     def state_keys(self) -> list[str]:
-        if fmt.STATE_GROUP not in self._group:
-            return []
-        return list(fmt.from_json(self._group[fmt.STATE_GROUP].attrs.get("keys", "[]")))
+        return list(self._state_keys)
 
     def row_of(self, record: int) -> int | None:
         hits = np.nonzero(self.records == record)[0]
         return int(hits[0]) if len(hits) else None
 
-    def _decode(self, ds: h5py.Dataset, rows) -> torch.Tensor:
-        return fmt.numpy_to_tensor(ds[rows], ds.attrs.get("torch_dtype", "float32"))
+    def _reading(self, what: str) -> _Reading:
+        return _Reading(self.optimizer.run.path, f"{what} of parameter {self.name!r} (optimizer {self.optimizer.index})")
+
+    def _decode(self, ds: h5py.Dataset, rows, torch_dtype: str | None) -> torch.Tensor:
+        return fmt.numpy_to_tensor(ds[rows], torch_dtype or "float32")
+
+    def _has(self, kind: str) -> bool:
+        if kind in self._storage:
+            return True
+        with self._reading(repr(kind)):
+            return _link_type(self._group, kind) is not None  # the link itself: never follows it
+
+    def _checked(self, kind: str) -> str | None:
+        """The storage dtype of a dataset outside the three kinds (e.g. 'state/exp_avg'), checked like them."""
+        check = _Validator(self.optimizer.run.path, self.optimizer.run.size_bytes)
+        where = f"parameter {self.name!r} of optimizer {self.optimizer.index}: dataset {kind!r}"
+        ds = check.dataset(self._group, kind, where, _NUMERIC_KINDS)
+        check.readable(ds, 1, where)
+        return check.tensor_dtype(ds, where)
 
     def read(self, kind: str, rows=slice(None)) -> torch.Tensor:
         """Tensor of kind ('param', 'grad', 'param_after') at the given row(s); rows index ``self.records``."""
-        if kind not in self._group:
+        if not self._has(kind):
             raise KeyError(f"{self.name}: no {kind!r} recorded")
         rows = self._clip(rows)
-        return self._decode(self._group[kind], rows)
+        torch_dtype = self._storage[kind] if kind in self._storage else self._checked(kind)
+        with self._reading(f"{kind!r} rows {_rows_text(rows)}"):
+            return self._decode(self._group[kind], rows, torch_dtype)
 
     def _clip(self, rows):
         if isinstance(rows, slice):
@@ -90,24 +388,49 @@ class ParamRecord:
             if not -self.rows <= rows < self.rows:
                 raise IndexError(f"{self.name}: row {rows} out of range ({self.rows} rows)")
             return int(rows) % self.rows
-        return rows
+        index = np.asarray(rows)
+        if index.dtype.kind == "b":
+            if index.shape != (self.rows,):
+                raise IndexError(f"{self.name}: boolean row mask of shape {index.shape}, expected ({self.rows},)")
+            index = np.nonzero(index)[0]
+        if index.ndim != 1 or (len(index) and index.dtype.kind not in "iu"):
+            raise IndexError(f"{self.name}: rows must be an int, a slice or a 1-D sequence of ints")
+        if len(index) and (index.min() < 0 or index.max() >= self.rows):
+            raise IndexError(f"{self.name}: rows out of range ({self.rows} rows)")
+        if (np.diff(index) <= 0).any():
+            raise IndexError(f"{self.name}: a sequence of rows must be increasing")
+        return index.astype(np.intp)
 
     def state_at(self, row: int) -> dict[str, torch.Tensor]:
         """Optimizer state (before the step) at one row: only the keys that were present."""
         keys = self.state_keys
         if not keys:
             return {}
-        present_ds = self._group[fmt.STATE_PRESENT]
-        present = present_ds[row] if row < present_ds.shape[0] else np.zeros(present_ds.shape[1], "u1")
         out = {}
-        for i, key in enumerate(keys):
-            if i < len(present) and present[i]:
-                out[key] = self._decode(self._group[fmt.STATE_GROUP][key], row)
+        with self._reading(f"state at row {row}"):
+            present_ds = self._group[fmt.STATE_PRESENT]
+            present = present_ds[row] if row < present_ds.shape[0] else np.zeros(present_ds.shape[1], "u1")
+            state = self._group[fmt.STATE_GROUP]
+            for i, key in enumerate(keys):
+                if i < len(present) and present[i]:
+                    if key not in state:
+                        raise RunFileError(f"{self.optimizer.run.path}: state {key!r} of parameter {self.name!r} "
+                                           f"(optimizer {self.optimizer.index}) is marked present at row {row} "
+                                           f"but has no dataset")
+                    ds = state[key]
+                    if not -ds.shape[0] <= row < ds.shape[0]:
+                        raise RunFileError(f"{self.optimizer.run.path}: state {key!r} of parameter {self.name!r} "
+                                           f"(optimizer {self.optimizer.index}) is marked present at row {row} but "
+                                           f"has only {ds.shape[0]} rows")
+                    out[key] = self._decode(ds, row, ds.attrs.get("torch_dtype"))
         return out
 
     def storage_dtype(self, kind: str = fmt.KIND_PARAM) -> str | None:
-        ds = self._group.get(kind)
-        return None if ds is None else ds.attrs.get("torch_dtype")
+        if kind in self._storage:
+            return self._storage[kind]
+        with self._reading(f"the dtype of {kind!r}"):
+            ds = self._group.get(kind)
+            return None if ds is None else ds.attrs.get("torch_dtype")
 
     def block_rows(self, block_bytes: int = DEFAULT_BLOCK_BYTES, kinds: int = 3) -> int:
         per_row = max(1, self.numel * 8 * kinds)  # float64 working copies dominate
@@ -118,51 +441,97 @@ class ParamRecord:
         step = self.block_rows(block_bytes, max(1, len(kinds)))
         for start in range(0, self.rows, step):
             rows = slice(start, min(start + step, self.rows))
-            yield rows, {k: self.read(k, rows) for k in kinds if k in self._group}
+            yield rows, {k: self.read(k, rows) for k in kinds if self._has(k)}
 
     def __repr__(self) -> str:
         return f"<ParamRecord {self.name} {list(self.shape)} {self.rows} rows>"
 
 
+def _rows_text(rows) -> str:
+    if isinstance(rows, slice):
+        return f"{rows.start}:{rows.stop}" + (f":{rows.step}" if rows.step != 1 else "")
+    if isinstance(rows, int):
+        return str(rows)
+    return f"({len(rows)} rows)"
+
+
 class OptimizerRun:
     """One recorded optimizer: its committed records and its parameters."""
 
-    def __init__(self, run: "Run", index: int, group: h5py.Group):
+    def __init__(self, run: "Run", index: int, group: h5py.Group, check: "_Validator | None" = None):
         self.run = run
         self.index = index
         self._group = group
-        try:
-            self.meta = fmt.from_json(group.attrs[fmt.ATTR_META])
-            records = group["records"]
-            self.num_records = int(records["step"].shape[0])
-            self.step = records["step"][()]
-            self.backward_pass = records["backward_pass"][: self.num_records]
-            self.wall_time = records["wall_time"][: self.num_records]
-            self.lr = records["lr"][: self.num_records]
-            self._hparams_ds = records["hparams"]
-            if min(len(self.backward_pass), len(self.wall_time), len(self.lr),
-                   self._hparams_ds.shape[0]) < self.num_records:
-                raise ValueError("record table columns are shorter than the committed steps")
-        except (KeyError, ValueError, OSError, TypeError) as exc:
-            raise RunFileError(f"{run.path}: optimizer {index} is malformed ({exc})") from None
+        check = check or _Validator(run.path, run.size_bytes)
+        where = f"optimizer {index}"
+        self.meta = check.json_attr(group, fmt.ATTR_META, where, dict)
+        if not isinstance(self.meta.get("class", "?"), str) or not _is_list_of_str(self.meta.get("mro", [])):
+            raise check.fail(where, "metadata 'class' is not a string or 'mro' not a list of strings")
+        records = check.child(group, "records", f"{where}: group 'records'", h5py.Group)
+        rec = f"{where}: dataset 'records/%s'"
+        step_ds = check.dataset(records, "step", rec % "step", "iu", rank=1)
+        self.num_records = int(step_ds.shape[0])
+        columns = {"backward_pass": ("iu", 1), "wall_time": ("fiu", 1), "lr": ("f", 2), "hparams": ("string", 1)}
+        found = {}
+        for name, (kinds, rank) in columns.items():
+            ds = found[name] = check.dataset(records, name, rec % name, kinds, rank=rank)
+            if ds.shape[0] < self.num_records:
+                raise check.fail(rec % name, f"has {ds.shape[0]} rows, fewer than the {self.num_records} committed "
+                                             f"steps (records/step)")
+        for name, ds in (("step", step_ds), ("backward_pass", found["backward_pass"]),
+                         ("wall_time", found["wall_time"]), ("lr", found["lr"])):
+            check.readable(ds, self.num_records, rec % name)
+        closure = check.dataset(records, "closure_losses", rec % "closure_losses", "string", rank=1, required=False)
+        with check.reading(f"{where}: the record table"):
+            self.step = step_ds[()].astype(np.int64, copy=False)
+            self.backward_pass = found["backward_pass"][: self.num_records]
+            self.wall_time = found["wall_time"][: self.num_records]
+            self.lr = found["lr"][: self.num_records]
+        self._hparams_ds = found["hparams"]
+        self._closure_ds = closure
         self.class_name = self.meta.get("class", "?")
-        records = [ParamRecord(self, name, pgroup) for name, pgroup in group["params"].items()]
+        params = check.child(group, "params", f"{where}: group 'params'", h5py.Group)
+        records = [ParamRecord(self, name, check.child(params, name, f"{where}: parameter {name!r}", h5py.Group),
+                           check)
+                   for name in check.members(params, f"{where}: group 'params'")]
+        groups = self.lr.shape[1]
+        for p in records:
+            if p.rows and (p.param_group or 0) >= groups:
+                raise check.fail(f"{where}: parameter {p.name!r}", f"param group {p.param_group or 0} does not exist "
+                                                                   f"(records/lr has {groups} group column(s))")
         # HDF5 lists names alphabetically (layers.10 before layers.3); show them in the optimizer's order.
         records.sort(key=lambda p: (p.param_group or 0, p.meta.get("index_in_group") or 0))
         self.params: dict[str, ParamRecord] = {p.name: p for p in records}
+        with check.reading(f"{where}: group 'stats'"):
+            has_stats = _link_type(group, "stats") is not None  # the link itself: never follows it
+        if has_stats:  # the per-step statistics table (upd.analyzer.stats reads it)
+            _check_stats(check, group, where)
+
+    def _reading(self, what: str) -> _Reading:
+        return _Reading(self.run.path, f"{what} of optimizer {self.index}")
 
     def hparams(self, record: int) -> list[dict]:
         """The param groups' hyperparameters at one record, as the optimizer saw them (JSON-decoded)."""
         if not 0 <= record < self.num_records:
             raise IndexError(f"record {record} out of range ({self.num_records} records)")
-        return fmt.from_json(self._hparams_ds[record])
+        with self._reading(f"records/hparams[{record}]"):
+            value = fmt.from_json(self._hparams_ds[record])
+        if not isinstance(value, list) or not all(isinstance(g, dict) for g in value):
+            raise RunFileError(f"{self.run.path}: optimizer {self.index}: records/hparams[{record}] is not a JSON list "
+                               f"of param-group objects")
+        return value
 
     def closure_losses(self, record: int) -> list | None:
         """Losses of each closure evaluation inside the step (LBFGS & co.), or None for a step without closure."""
-        if "closure_losses" not in self._group["records"]:
+        ds = self._closure_ds
+        if ds is None or not 0 <= record < ds.shape[0]:
             return None
-        ds = self._group["records"]["closure_losses"]
-        return fmt.from_json(ds[record]) if record < ds.shape[0] else None
+        with self._reading(f"records/closure_losses[{record}]"):
+            value = fmt.from_json(ds[record])
+        if value is not None and not isinstance(value, list):
+            raise RunFileError(f"{self.run.path}: optimizer {self.index}: records/closure_losses[{record}] is not a "
+                               f"JSON list or null")
+        return value
 
     def record_of_step(self, step: int) -> int | None:
         hits = np.nonzero(self.step == step)[0]
@@ -170,6 +539,58 @@ class OptimizerRun:
 
     def __repr__(self) -> str:
         return f"<OptimizerRun {self.index} {self.class_name}: {len(self.params)} params, {self.num_records} records>"
+
+
+def _check_stats(check: "_Validator", group: h5py.Group, where: str) -> None:
+    """The statistics table, as far as upd.analyzer.stats reads it: attributes, dtypes, ranks and block sizes."""
+    st = check.child(group, "stats", f"{where}: group 'stats'", h5py.Group)
+    with check.reading(f"{where}: group 'stats'"):
+        if _link_type(st, "values") is None:
+            return  # no statistics row written yet: the reader ignores the table
+    at = f"{where}: statistics table"
+    step = check.dataset(st, "step", f"{at} 'step'", "iu", rank=1)
+    n = int(step.shape[0])
+    check.readable(step, n, f"{at} 'step'")
+    lr = check.dataset(st, "lr", f"{at} 'lr'", "f", rank=2)
+    check.readable(lr, min(n, lr.shape[0]), f"{at} 'lr'")
+    values = check.dataset(st, "values", f"{at} 'values'", "f", rank=3)
+    if values.shape[0] < n:
+        raise check.fail(f"{at} 'values'", f"has {values.shape[0]} rows, fewer than the {n} committed steps")
+    check.readable(values, min(n, 1024), f"{at} 'values'")
+    params = check.json_attr(st, "params", at, list)
+    columns = check.json_attr(st, "columns", at, list)
+    meta = check.json_attr(st, "param_meta", at, dict, default={}, required=False)
+    if not (_is_list_of_str(params) and _is_list_of_str(columns)) or len(set(params)) < len(params) \
+            or len(set(columns)) < len(columns):
+        raise check.fail(at, "attributes 'params' and 'columns' must be JSON lists of distinct names")
+    if len(columns) < values.shape[2]:
+        raise check.fail(at, f"'values' has {values.shape[2]} columns but attribute 'columns' names {len(columns)}")
+    for name, m in meta.items():
+        problem = "is not an object" if not isinstance(m, dict) else _shape_problem(m.get("shape"))
+        if problem is None and not (m.get("group") is None or (_is_int(m["group"]) and m["group"] >= 0)):
+            problem = "group is not a non-negative integer"
+        if problem is None and not (m.get("dtype") is None or isinstance(m["dtype"], str)):
+            problem = "dtype is not a string"
+        if problem:
+            raise check.fail(at, f"param_meta of {str(name)[:80]!r}: {problem}")
+
+
+def _check_run_meta(check: "_Validator", meta: dict) -> None:
+    """The root metadata fields readers use: types that `upd info` and `upd verify` can work with."""
+    problem = None
+    if not (meta.get("torch_version") is None or isinstance(meta["torch_version"], str)):
+        problem = "'torch_version' is not a string"
+    created = meta.get("created_unix")
+    if created is not None and not (isinstance(created, (int, float)) and not isinstance(created, bool)
+                                    and -62135596800 < created < 253402300800):  # datetime's years 1..9999
+        problem = f"'created_unix' {str(created)[:40]} is not a Unix time"
+    options = meta.get("options", {})
+    if not isinstance(options, dict):
+        problem = "'options' is not an object"
+    elif not _is_list_of_str(options.get("what", [])):
+        problem = "'options.what' is not a list of strings"
+    if problem:
+        raise check.fail("run metadata", problem)
 
 
 class Run:
@@ -180,8 +601,8 @@ class Run:
         _check_path(self.path)
         try:
             self._file = h5py.File(self.path, "r")
-        except OSError as exc:
-            raise RunFileError(f"{self.path}: not a readable HDF5 file ({str(exc).splitlines()[0]})") from None
+        except Exception as exc:  # h5py raises OSError for most non-HDF5 input, other types for some garbage
+            raise RunFileError(f"{self.path}: not a readable HDF5 file ({_problem(exc)})") from None
         try:
             self._load()
         except RunFileError:
@@ -189,33 +610,43 @@ class Run:
             raise
         except Exception as exc:  # a file that h5py opens can still be broken anywhere inside
             self.close()
-            raise RunFileError(f"{self.path}: unreadable run ({type(exc).__name__}: {exc})") from None
+            raise RunFileError(f"{self.path}: unreadable run ({_problem(exc)})") from None
 
     def _load(self) -> None:
+        check = _Validator(self.path, os.path.getsize(self.path))
         attrs = self._file.attrs
-        fmt_name = attrs.get(fmt.ATTR_FORMAT)
+        with check.reading("the root attributes"):
+            fmt_name = attrs.get(fmt.ATTR_FORMAT)
+            version = attrs.get(fmt.ATTR_VERSION)
         if isinstance(fmt_name, bytes):
             fmt_name = fmt_name.decode("utf-8", "replace")
-        if fmt_name != fmt.FORMAT_NAME:
+        if not isinstance(fmt_name, str) or fmt_name != fmt.FORMAT_NAME:
             raise RunFileError(f"{self.path}: HDF5 file but not a torch-upd run (no '{fmt.ATTR_FORMAT}' attribute "
                                f"saying {fmt.FORMAT_NAME!r})")
-        version = attrs.get(fmt.ATTR_VERSION)
-        if not isinstance(version, (int, np.integer)):
+        if not _is_int(version):
             raise RunFileError(f"{self.path}: format_version attribute missing or not an integer")
         if version > fmt.FORMAT_VERSION:
             raise RunFileError(f"{self.path}: written in run format version {int(version)}; this torch-upd reads "
                                f"up to version {fmt.FORMAT_VERSION}: upgrade torch-upd")
+        if version < 1:
+            raise RunFileError(f"{self.path}: format_version {int(version)} does not exist (versions start at 1)")
         self.format_version = int(version)
-        try:
-            self.meta = fmt.from_json(attrs[fmt.ATTR_META])
-        except (KeyError, ValueError) as exc:
-            raise RunFileError(f"{self.path}: run metadata missing or not valid JSON ({exc})") from None
-        if "optimizers" not in self._file:
-            raise RunFileError(f"{self.path}: no 'optimizers' group")
-        groups = self._file["optimizers"]
-        self.optimizers = [OptimizerRun(self, int(k), groups[k]) for k in sorted(groups, key=int)]
-        raw = attrs.get("params_not_optimized")
-        self.params_not_optimized = fmt.from_json(raw) if raw is not None else []
+        self.meta = check.json_attr(self._file, fmt.ATTR_META, "run metadata", dict)
+        _check_run_meta(check, self.meta)
+        groups = check.child(self._file, "optimizers", "group 'optimizers'", h5py.Group)
+        names = check.members(groups, "group 'optimizers'")
+        for k in names:
+            if not (k.isascii() and k.isdigit() and len(k) < 10 and str(int(k)) == k):
+                raise check.fail("group 'optimizers'", f"member {k[:40]!r} is not an optimizer index")
+        self.optimizers = [OptimizerRun(self, int(k), check.child(groups, k, f"optimizer {k}", h5py.Group), check)
+                           for k in sorted(names, key=int)]
+        raw = check.json_attr(self._file, "params_not_optimized", "root", list, default=[], required=False)
+        if not _is_list_of_str(raw):
+            raise check.fail("root", "attribute 'params_not_optimized' is not a JSON list of names")
+        self.params_not_optimized = raw
+
+    def _reading(self, what: str) -> _Reading:
+        return _Reading(self.path, what)
 
     # -- overview ---------------------------------------------------------------------------------------------
     @property
@@ -246,7 +677,9 @@ class Run:
                  "kinds": ",".join(p.kinds), "state": ",".join(p.state_keys)}
                 for p in self.iter_params()]
         for opt in self.optimizers:  # parameters that only have per-step statistics
-            for name, meta in stats_param_meta(opt).items():
+            with self._reading(f"the statistics table of optimizer {opt.index}"):
+                stats_meta = stats_param_meta(opt)
+            for name, meta in stats_meta.items():
                 if name not in opt.params:
                     shape = tuple(meta.get("shape") or ())
                     rows.append({"optimizer": opt.index, "param": name, "shape": shape,
@@ -279,9 +712,11 @@ class Run:
         optimizers = []
         for opt in self.optimizers:
             steps = opt.step
+            with self._reading(f"the statistics table of optimizer {opt.index}"):
+                stats_steps, stats_meta = committed_stats_rows(opt), stats_param_meta(opt)
             optimizers.append({
                 "index": opt.index, "class": opt.class_name, "records": opt.num_records,
-                "stats_steps": committed_stats_rows(opt),
+                "stats_steps": stats_steps,
                 "first_step": int(steps[0]) if len(steps) else None,
                 "last_step": int(steps[-1]) if len(steps) else None,
                 "param_groups": int(opt.lr.shape[1]) if opt.lr.ndim == 2 else 0,
@@ -291,7 +726,7 @@ class Run:
                             "stored_as": p.storage_dtype()} for p in opt.params.values()]
                 + [{"name": name, "shape": list(meta.get("shape") or []), "dtype": meta.get("dtype"),
                     "group": meta.get("group"), "rows": 0, "kinds": [], "state": [], "stored_as": None}
-                   for name, meta in stats_param_meta(opt).items() if name not in opt.params],
+                   for name, meta in stats_meta.items() if name not in opt.params],
             })
         return {"path": self.path, "size_bytes": self.size_bytes, "format_version": self.format_version,
                 "torch_version": self.torch_version, "upd_version": self.meta.get("upd_version"),
@@ -314,25 +749,38 @@ class Run:
 
         if source not in ("auto", "tensors", "stats"):
             raise ValueError(f"source must be 'auto', 'tensors' or 'stats', got {source!r}")
-        use_stats = {opt.index for opt in self.optimizers if committed_stats_rows(opt) and (
-            source == "stats" or (source == "auto" and committed_stats_rows(opt) > opt.num_records))}
+        with self._reading("the statistics table"):
+            use_stats = {opt.index for opt in self.optimizers if committed_stats_rows(opt) and (
+                source == "stats" or (source == "auto" and committed_stats_rows(opt) > opt.num_records))}
         parts = []
         if len(use_stats) < len(self.optimizers):
             tensors = ratios_frame(self, block_bytes)
             parts.append(tensors[~tensors["optimizer"].isin(use_stats)])
         if use_stats:
-            stats = stats_frame(self)
+            with self._reading("the statistics table"):
+                stats = stats_frame(self)
             numel = {(r.optimizer, r.param): r.numel for r in self.params.itertuples()}
             parts.append(ratios_from_stats(stats[stats["optimizer"].isin(use_stats)], numel))
         parts = [p for p in parts if len(p)]
         return pd.concat(parts, ignore_index=True) if parts else ratios_frame(self, block_bytes)
+
+    @property
+    def dumps(self) -> list[dict]:
+        """Flight-recorder dumps: optimizer, reason, trigger_step, steps written, wall_time."""
+        if "flight_dumps" not in self._file:
+            return []
+        try:
+            return [fmt.from_json(x) for x in self._file["flight_dumps"][()]]
+        except (ValueError, TypeError, OSError) as exc:
+            raise RunFileError(f"{self.path}: flight_dumps is malformed ({exc})") from None
 
     def stats(self) -> pd.DataFrame:
         """The per-step statistics table (recorded with stats_every=): one row per (optimizer, param, step) with
         mean, std, norm, absmax, zero_frac, nonfinite of param, grad, update and each optimizer-state tensor."""
         from .stats import stats_frame
 
-        return stats_frame(self)
+        with self._reading("the statistics table"):
+            return stats_frame(self)
 
     def close(self) -> None:
         f = getattr(self, "_file", None)

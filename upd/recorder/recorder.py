@@ -2,10 +2,14 @@
 from __future__ import annotations
 
 import atexit
+import collections
+import dataclasses
 import fnmatch
+import math
 import os
 import platform
 import signal
+import statistics
 import sys
 import threading
 import time
@@ -120,8 +124,8 @@ class Recorder:
 
     def __init__(self, path, model=None, optimizer=None, *, every: int | None = 1, stats_every: int | None = None,
                  include=None, exclude=None, what: Sequence[str] = fmt.WHAT_CHOICES, dtype: str = "keep",
-                 compression=None, tensorboard=None, overwrite: bool = False, resume: bool = False,
-                 strict: bool = False):
+                 compression=None, tensorboard=None, flight_recorder: int | None = None,
+                 spike_factor: float = 10.0, overwrite: bool = False, resume: bool = False, strict: bool = False):
         if optimizer is None:
             raise TypeError("upd.record needs the optimizer (or a list of optimizers) to watch")
         optimizers = list(optimizer) if isinstance(optimizer, (list, tuple)) else [optimizer]
@@ -133,7 +137,11 @@ class Recorder:
                 raise ValueError(f"{label} must be a positive integer or None, got {cadence!r}")
         if tensorboard is not None and stats_every is None:
             stats_every = 1  # TensorBoard scalars come from the statistics: log them at every step
-        if every is None and stats_every is None:
+        if flight_recorder is not None and (not isinstance(flight_recorder, int) or flight_recorder < 1):
+            raise ValueError(f"flight_recorder must be a positive number of steps or None, got {flight_recorder!r}")
+        if not spike_factor > 1:
+            raise ValueError(f"spike_factor must be > 1, got {spike_factor!r}")
+        if every is None and stats_every is None and flight_recorder is None:
             raise ValueError("every=None and stats_every=None would record nothing")
         what = (what,) if isinstance(what, str) else tuple(what)
         unknown = set(what) - set(fmt.WHAT_CHOICES)
@@ -148,6 +156,13 @@ class Recorder:
         self.optimizers = optimizers
         self.every = every
         self.stats_every = stats_every
+        self.flight_recorder = flight_recorder
+        self.spike_factor = spike_factor
+        # Flight recorder: the last K steps' full snapshots per optimizer, in memory, written only on a trigger.
+        self._ring = [collections.deque(maxlen=flight_recorder or 1) for _ in optimizers]
+        self._norm_history = [collections.deque(maxlen=50) for _ in optimizers]  # (grad norm, update norm)
+        self._written_steps = [collections.deque(maxlen=max(64, 2 * (flight_recorder or 1))) for _ in optimizers]
+        self.dumps: list[dict] = []
         self._tensorboard = None
         if tensorboard is not None:
             from ..analyzer.tensorboard import TensorBoardSink
@@ -180,7 +195,8 @@ class Recorder:
             "platform": platform.platform(),
             "created_unix": time.time(),
             "argv": list(sys.argv),
-            "options": {"every": every, "stats_every": stats_every, "include": self.include, "exclude": self.exclude, "what": list(what),
+            "options": {"every": every, "stats_every": stats_every, "flight_recorder": flight_recorder,
+                        "spike_factor": spike_factor, "include": self.include, "exclude": self.exclude, "what": list(what),
                         "dtype": dtype, "compression": compression},
             "optimizer_count": len(optimizers),
         }
@@ -367,7 +383,8 @@ class Recorder:
             for i, p in enumerate(group["params"]):
                 self._param_name(opt_index, g, i, p, group)
                 self._hook_backward_counter(p)
-        full = self.every is not None and step % self.every == 0
+        selected = self.every is not None and step % self.every == 0
+        full = selected or self.flight_recorder is not None  # the flight recorder keeps every step in memory
         with_stats = self.stats_every is not None and step % self.stats_every == 0
         if not (full or with_stats):
             return
@@ -405,7 +422,7 @@ class Recorder:
         self._pending[opt_index] = RecordSnapshot(
             optimizer=opt_index, step=step, backward_pass=backward, wall_time=time.time(),
             hparams=[_group_hparams(g) for g in optimizer.param_groups], params=snaps, closure=closure_step,
-            full=full, stats={} if with_stats else None)
+            full=full, stats={} if with_stats else None, selected=selected)
 
     def _step_statistics(self, rec: RecordSnapshot) -> dict:
         """Summary statistics of every recorded parameter at this step, with one device-to-host copy in all."""
@@ -474,11 +491,80 @@ class Recorder:
                 snap.param_after = _cpu_copy(snap.param_after) if "param" in self.what else None
         else:
             rec.params = []  # statistics only: release the device snapshots now
-        self._writer.write(rec)
+        if self.flight_recorder is None:
+            self._writer.write(rec)
+        else:
+            self._flight_step(opt_index, rec)
         if self._tensorboard is not None and rec.stats:
             prefix = f"opt{opt_index}:" if opt_index else ""
             self._tensorboard.write(rec.step, {prefix + name: values for name, values in rec.stats.items()})
-        self._records[opt_index] += 1
+        if self.flight_recorder is None or rec.selected:
+            self._records[opt_index] += 1
+
+    # -- flight recorder --------------------------------------------------------------------------------------
+    def _flight_step(self, opt_index: int, rec: RecordSnapshot) -> None:
+        """Write what the cadences ask for, keep the full snapshot in the ring, dump the ring on a trigger."""
+        if rec.selected or rec.stats is not None:
+            self._writer.write(dataclasses.replace(rec, full=rec.selected))
+            if rec.selected:
+                self._written_steps[opt_index].append(rec.step)
+        self._ring[opt_index].append(dataclasses.replace(rec, stats=None, full=True))
+        reason = self._trigger(opt_index, rec)
+        if reason:
+            self._dump(opt_index, reason, rec.step)
+
+    def _trigger(self, opt_index: int, rec: RecordSnapshot) -> str | None:
+        grads = [s.grad for s in rec.params if s.grad is not None]
+        updates = [s.param_after - s.param for s in rec.params if s.param is not None and s.param_after is not None]
+        # Norms of the CPU snapshot: a NaN/Inf anywhere makes the norm non-finite.
+        grad_norm = float(torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g.double()) for g in grads])))\
+            if grads else 0.0
+        update_norm = float(torch.linalg.vector_norm(torch.stack(
+            [torch.linalg.vector_norm(u.double()) for u in updates]))) if updates else 0.0
+        history = self._norm_history[opt_index]
+        reason = None
+        if not math.isfinite(grad_norm):
+            reason = f"non-finite gradient at step {rec.step}"
+        elif not math.isfinite(update_norm):
+            reason = f"non-finite update at step {rec.step}"
+        elif len(history) >= 5:
+            median_grad = statistics.median(h[0] for h in history)
+            median_update = statistics.median(h[1] for h in history)
+            if median_grad > 0 and grad_norm > self.spike_factor * median_grad:
+                reason = (f"gradient norm spike at step {rec.step}: {grad_norm:.3g} > {self.spike_factor:g} x "
+                          f"recent median {median_grad:.3g}")
+            elif median_update > 0 and update_norm > self.spike_factor * median_update:
+                reason = (f"update norm spike at step {rec.step}: {update_norm:.3g} > {self.spike_factor:g} x "
+                          f"recent median {median_update:.3g}")
+        if math.isfinite(grad_norm) and math.isfinite(update_norm):
+            history.append((grad_norm, update_norm))
+        return reason
+
+    def _dump(self, opt_index: int, reason: str, trigger_step: int) -> None:
+        written = self._written_steps[opt_index]
+        steps = []
+        for rec in self._ring[opt_index]:
+            if rec.step in written:
+                continue
+            self._writer.write(rec)
+            written.append(rec.step)
+            steps.append(rec.step)
+            self._records[opt_index] += 1
+        self._ring[opt_index].clear()
+        info = {"optimizer": opt_index, "reason": reason, "trigger_step": trigger_step, "steps": steps,
+                "wall_time": time.time()}
+        self.dumps.append(info)
+        self._writer.add_dump(info)
+
+    def dump(self, reason: str = "requested by the user") -> None:
+        """Write the flight recorder's in-memory steps to the run now (e.g. from your own anomaly check)."""
+        if self.flight_recorder is None:
+            raise RuntimeError("dump() needs upd.record(..., flight_recorder=K)")
+        if not self.active:
+            return
+        for opt_index in range(len(self.optimizers)):
+            if self._ring[opt_index]:
+                self._guard(self._dump, opt_index, reason, self._ring[opt_index][-1].step)
 
     # -- lifetime ---------------------------------------------------------------------------------------------
     def _remove_hooks(self) -> None:
@@ -545,6 +631,10 @@ def record(path, model=None, optimizer=None, **options) -> Recorder:
         resume: append to an existing run (training restarted from a checkpoint): step numbers continue from the
             optimizer's own step counter (or after the last recorded step for optimizers without one); a different
             optimizer class, parameter set or shape is an error. Without an existing file, starts a new run.
+        flight_recorder: keep the last K steps' full tensors in memory (no disk I/O while nothing happens) and
+            write them to the run when a trigger fires: a NaN/Inf in a gradient or update, a gradient- or
+            update-norm spike above ``spike_factor`` (default 10) times its recent median, or ``rec.dump(reason)``.
+            The reasons are stored (``Run.dumps``); the dumped steps replay and verify like any others.
         strict: raise recorder errors instead of warning once and stopping recording.
     """
     return Recorder(path, model, optimizer, **options)

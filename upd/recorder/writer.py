@@ -44,6 +44,7 @@ class RecordSnapshot:
     full: bool = True  # full tensors are recorded at this step (else params is empty)
     stats: dict | None = None  # per-parameter summary statistics {name: {column: value}} at a statistics step
     stats_meta: dict = field(default_factory=dict)  # {name: {shape, dtype, group, index_in_group}} of those params
+    selected: bool = True  # chosen by every= (with a flight recorder, full snapshots are kept for other steps too)
 
 
 def _chunks(shape: tuple) -> tuple:
@@ -300,6 +301,15 @@ class RunWriter:
                 self._write_tensor(self._tensor_dataset(st, key, state[key], row, storage), row, state[key])
                 present[i] = 1
         self._append(present_ds, row, present)
+
+    def add_dump(self, info: dict) -> None:
+        """Append a flight-recorder dump (reason, trigger step, steps written) to /flight_dumps."""
+        if "flight_dumps" not in self.file:
+            self.file.create_dataset("flight_dumps", shape=(0,), maxshape=(None,), dtype=h5py.string_dtype(),
+                                     chunks=(64,))
+        ds = self.file["flight_dumps"]
+        self._append(ds, ds.shape[0], fmt.to_json(info))
+        self.file.flush()
 
     def set_attr(self, name: str, value) -> None:
         self.file.attrs[name] = fmt.to_json(value)
