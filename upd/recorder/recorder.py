@@ -365,14 +365,18 @@ class Recorder:
     def _fail(self, exc: BaseException) -> None:
         self.error = exc
         self.active = False
+        self._pending.clear()
+        for ring in self._ring:
+            ring.clear()
         # The hooks stay registered (inactive) until close(): removing them here, while torch iterates over the
         # optimizer's hook dict, would raise "OrderedDict mutated during iteration" into the training loop.
-        try:
-            self._writer.close()
-        except Exception:
-            pass
+        self._writer.abort()
         if self.strict:
             raise exc
+        # The traceback holds the writer's frames and their HDF5 objects; freed after the file is gone, those
+        # objects make HDF5 try to write again at exit (and crash the process on a full disk).
+        exc.__traceback__ = None
+        exc.__context__ = None
         warnings.warn(f"torch-upd: recording to {self.path} stopped ({type(exc).__name__}: {exc}); "
                       "training continues. Pass strict=True to raise instead.", RecorderWarning, stacklevel=4)
 

@@ -6,7 +6,9 @@ of a record are written and flushed first; only then is the record's entry appen
 """
 from __future__ import annotations
 
+import errno
 import os
+import shutil
 from dataclasses import dataclass, field
 
 import h5py
@@ -14,6 +16,11 @@ import numpy as np
 import torch
 
 from .. import format as fmt
+
+try:
+    import resource  # POSIX: the file-size limit counts as space
+except ImportError:  # pragma: no cover - Windows
+    resource = None
 
 
 @dataclass
@@ -188,8 +195,33 @@ class RunWriter:
         array = fmt.tensor_to_numpy(tensor, ds.attrs["torch_dtype"])
         self._append(ds, row, array)
 
+    def _check_space(self, rec: RecordSnapshot) -> None:
+        """Refuse a record the disk (or the process's file-size limit) cannot take, before writing any of it.
+
+        HDF5 updates metadata in place: a write that fails half-way (ENOSPC, EFBIG) can leave metadata pointing past
+        the end of the file, and the whole run unreadable. Stopping one record early keeps every committed step."""
+        nbytes, datasets = 0, 4
+        for snap in rec.params if rec.full else ():
+            for t in (snap.param, snap.grad, snap.param_after, *snap.state.values()):
+                if t is not None:
+                    nbytes += t.numel() * t.element_size()
+                    datasets += 1
+        if rec.stats is not None:
+            nbytes += 64 * len(rec.stats) * 4
+        # Twice the data (chunk allocation, alignment) plus B-tree/heap growth per dataset touched, plus slack.
+        need = 2 * nbytes + 4096 * datasets + (256 << 10)
+        free = shutil.disk_usage(os.path.dirname(os.path.abspath(self.path))).free
+        if resource is not None:
+            limit = resource.getrlimit(resource.RLIMIT_FSIZE)[0]
+            if limit != resource.RLIM_INFINITY:
+                free = min(free, limit - os.path.getsize(self.path))
+        if free < need:
+            raise OSError(errno.ENOSPC, f"no room for the next record ({need / 1e6:.1f} MB needed, "
+                                        f"{max(free, 0) / 1e6:.1f} MB left); the {self.path} written so far is kept")
+
     def write(self, rec: RecordSnapshot) -> None:
         """Write one step (full tensors, statistics, or both) with the commit protocol."""
+        self._check_space(rec)
         if rec.full:
             self._write_full(rec)
         if rec.stats is not None:
@@ -313,6 +345,14 @@ class RunWriter:
 
     def set_attr(self, name: str, value) -> None:
         self.file.attrs[name] = fmt.to_json(value)
+
+    def abort(self) -> None:
+        """Close after a failure, writing nothing more: what was committed stays readable."""
+        try:
+            if self.file.id.valid:
+                self.file.close()
+        except Exception:
+            pass
 
     def close(self) -> None:
         if self.file.id.valid:
