@@ -213,3 +213,26 @@ def test_tensor_stats_edge_cases():
     assert math.isnan(one[1]) and one[0] == 2.0
     assert stats_mod.log10_ratio(0.0, 1.0) == -math.inf and stats_mod.log10_ratio(1.0, 0.0) == math.inf
     assert math.isnan(stats_mod.log10_ratio(0.0, 0.0))
+
+
+def test_large_tensors_use_the_one_pass_form_accurately():
+    """Above TWO_PASS_LIMIT the std comes from the sum and the norm: still float32-accurate for weights."""
+    torch.manual_seed(0)
+    for t in (torch.randn(512, 1024) * 0.02, torch.randn(300_000) * 1e-3 + 1e-4):
+        assert t.numel() > stats_mod.TWO_PASS_LIMIT
+        mean, std, norm, absmax, zero_frac, flag = stats_mod.tensor_stats(t).tolist()
+        ref = reference_stats(t)
+        assert mean == pytest.approx(ref["mean"], rel=1e-4, abs=1e-6 * ref["absmax"])
+        assert std == pytest.approx(ref["std"], rel=1e-5)
+        assert norm == pytest.approx(ref["norm"], rel=1e-5)
+        assert (absmax, zero_frac, flag) == (pytest.approx(ref["absmax"]), 0.0, 0.0)
+
+
+def test_nonfinite_flag_then_exact_count():
+    t = torch.randn(100_000)
+    t[[3, 50, 70_000]] = torch.tensor([float("nan"), float("inf"), -float("inf")])
+    row = stats_mod.tensor_stats(t)
+    assert math.isnan(row[stats_mod.NONFINITE].item())  # flagged on the device, counted only when flagged
+    host = torch.stack([row, stats_mod.tensor_stats(torch.ones(10))])
+    stats_mod.count_nonfinite(host, [t, torch.ones(10)])
+    assert host[:, stats_mod.NONFINITE].tolist() == [3.0, 0.0]

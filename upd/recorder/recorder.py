@@ -21,7 +21,7 @@ import torch
 
 from .. import __version__
 from .. import format as fmt
-from .stats import STATS, log10_ratio, tensor_stats, to_host
+from .stats import STATS, count_nonfinite, log10_ratio, scalar_stats, tensor_stats, to_host
 from .writer import ParamSnapshot, RecordSnapshot, RunWriter
 
 
@@ -417,7 +417,10 @@ class Recorder:
                     if p.grad is not None:
                         snap.stats["grad"] = tensor_stats(p.grad)
                     for key, value in optimizer.state.get(p, {}).items():
-                        if isinstance(value, torch.Tensor) and value.numel() > 0:
+                        if isinstance(value, torch.Tensor) and value.numel() == 1:
+                            # step counters: a 0-d copy now, statistics batched over all parameters after the step
+                            snap.stats[f"state.{key}"] = value.detach().reshape(()).clone()
+                        elif isinstance(value, torch.Tensor) and value.numel() > 0:
                             snap.stats[f"state.{key}"] = tensor_stats(value)
                 snap.param_after = p  # replaced by a copy in the post-hook
                 snaps.append(snap)
@@ -428,9 +431,10 @@ class Recorder:
             hparams=[_group_hparams(g) for g in optimizer.param_groups], params=snaps, closure=closure_step,
             full=full, stats={} if with_stats else None, selected=selected)
 
-    def _step_statistics(self, rec: RecordSnapshot) -> dict:
+    def _step_statistics(self, rec: RecordSnapshot, optimizer) -> dict:
         """Summary statistics of every recorded parameter at this step, with one device-to-host copy in all."""
-        parts, index = [], []
+        parts, index, sources = [], [], []  # per row: stats tensor, (name, kind), tensor to recount NaN/Inf in
+        scalars, scalar_index, scalar_sources = [], [], []
         for snap in rec.params:
             live = snap.param_after  # the parameter itself, after the step
             if rec.full:  # statistics of the CPU copies taken for the full record
@@ -447,13 +451,34 @@ class Recorder:
             if snap.param is not None and after is not None:
                 raw["update"] = after - snap.param
             for kind, t in raw.items():
-                if t is not None:
-                    parts.append(tensor_stats(t))
-                    index.append((snap.name, kind))
+                if t is None:
+                    continue
+                if t.numel() == 1 and kind.startswith("state."):  # step counters: batched below
+                    scalars.append(t)
+                    scalar_index.append((snap.name, kind))
+                    scalar_sources.append(t)
+                    continue
+                parts.append(tensor_stats(t))
+                index.append((snap.name, kind))
+                sources.append(t)
+            state_now = optimizer.state.get(live, {}) if not rec.full else {}
             for kind, stats in done.items():
+                if stats.dim() == 0:  # a step counter's value, copied before the step
+                    scalars.append(stats)
+                    scalar_index.append((snap.name, kind))
+                    scalar_sources.append(stats)
+                    continue
                 parts.append(stats)
                 index.append((snap.name, kind))
+                # A NaN/Inf recount reads the tensor again: the gradient is still there; the state has been
+                # updated in place by the step, so its count is of the state after the step.
+                sources.append(live.grad if kind == "grad" else state_now.get(kind[len("state."):]))
+        if scalars:
+            parts.append(scalar_stats(scalars))
+            index.extend(scalar_index)
+            sources.extend(scalar_sources)
         host = to_host(parts)
+        count_nonfinite(host, sources)
         for snap in rec.params:
             live = snap.param_after
             rec.stats_meta[snap.name] = {"name": snap.name, "group": snap.group, "index_in_group": snap.index_in_group,
@@ -489,7 +514,7 @@ class Recorder:
             # Parameters the closure gave no gradient were skipped by the optimizer, as in a plain step.
             rec.params = [snap for snap in rec.params if snap.grad is not None]
         if rec.stats is not None:
-            rec.stats = self._step_statistics(rec)
+            rec.stats = self._step_statistics(rec, optimizer)
         if rec.full:
             for snap in rec.params:
                 snap.param_after = _cpu_copy(snap.param_after) if "param" in self.what else None

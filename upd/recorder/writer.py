@@ -71,14 +71,13 @@ class RunWriter:
         self.storage_dtype = storage_dtype
         self.compression = compression
         self._records_written: dict[int, int] = {}
+        self._stats_layout: dict[int, dict] = {}
         if resume and os.path.exists(self.path):
             self._reopen(meta)
             return
         mode = "w" if overwrite else "w-"
         try:
-            # A chunk cache large enough for the statistics table's 64-step chunks: appends stay in memory until
-            # flushed instead of rewriting the chunk each step.
-            self.file = h5py.File(self.path, mode, rdcc_nbytes=32 * 1024 * 1024)
+            self.file = h5py.File(self.path, mode)
         except FileExistsError:
             raise FileExistsError(f"{self.path} exists; pass overwrite=True to replace it") from None
         self.file.attrs[fmt.ATTR_FORMAT] = fmt.FORMAT_NAME
@@ -89,7 +88,7 @@ class RunWriter:
 
     def _reopen(self, meta: dict) -> None:
         """Append to an existing run: drop rows of a record that was never committed (a crash mid-step)."""
-        self.file = h5py.File(self.path, "r+", rdcc_nbytes=32 * 1024 * 1024)
+        self.file = h5py.File(self.path, "r+")
         if self.file.attrs.get(fmt.ATTR_FORMAT) != fmt.FORMAT_NAME or \
                 self.file.attrs.get(fmt.ATTR_VERSION) != fmt.FORMAT_VERSION:
             self.file.close()
@@ -253,32 +252,48 @@ class RunWriter:
     def _write_stats(self, rec: RecordSnapshot) -> None:
         st = self._stats_group(rec.optimizer)
         row = st["step"].shape[0]
-        params = fmt.from_json(st.attrs["params"])
-        columns = fmt.from_json(st.attrs["columns"])
-        new_params = [name for name in rec.stats if name not in params]
-        for name, values in rec.stats.items():
-            if name not in params:
-                params.append(name)
-            columns.extend(c for c in values if c not in columns)
+        # The table's layout is kept in memory: decoding the JSON attributes at every step cost more than the row.
+        layout = self._stats_layout.get(rec.optimizer)
+        if layout is None:
+            layout = self._stats_layout[rec.optimizer] = {
+                "params": list(fmt.from_json(st.attrs["params"])), "columns": list(fmt.from_json(st.attrs["columns"]))}
+            layout["param_index"] = {n: i for i, n in enumerate(layout["params"])}
+            layout["column_index"] = {c: i for i, c in enumerate(layout["columns"])}
+        params, columns = layout["params"], layout["columns"]
+        param_index, column_index = layout["param_index"], layout["column_index"]
+        new_params = [name for name in rec.stats if name not in param_index]
+        new_columns = []
+        for values in rec.stats.values():
+            for c in values:
+                if c not in column_index:
+                    column_index[c] = len(columns)
+                    columns.append(c)
+                    new_columns.append(c)
+        for name in new_params:
+            param_index[name] = len(params)
+            params.append(name)
+        if "values" not in st:
+            # Chunks of up to 64 steps, at most 512 KiB: appends stay in HDF5's default 1 MiB chunk cache until the
+            # chunk is full, and a 10,000-step table loads in a few dozen reads.
+            row_bytes = max(1, len(params)) * max(1, len(columns)) * 4
+            rows = int(min(64, max(1, (512 << 10) // row_bytes)))
+            st.create_dataset("values", shape=(0, len(params), len(columns)), maxshape=(None, None, None),
+                              dtype="f4", chunks=(rows, max(1, len(params)), max(1, len(columns))),
+                              fillvalue=np.nan)
+        ds = st["values"]
+        if ds.shape[1] < len(params) or ds.shape[2] < len(columns):
+            ds.resize((ds.shape[0], len(params), len(columns)))
+        if new_params or new_columns:
+            st.attrs["params"] = fmt.to_json(params)
+            st.attrs["columns"] = fmt.to_json(columns)
         if new_params:
             meta = fmt.from_json(st.attrs["param_meta"])
             meta.update({name: rec.stats_meta.get(name, {}) for name in new_params})
             st.attrs["param_meta"] = fmt.to_json(meta)
-        if "values" not in st:
-            # 64 steps per chunk: appending a row stays in the chunk cache, a 10,000-step table loads in ~30 ms.
-            st.create_dataset("values", shape=(0, len(params), len(columns)), maxshape=(None, None, None),
-                              dtype="f4", chunks=(64, max(1, len(params)), max(1, len(columns))), fillvalue=np.nan)
-        ds = st["values"]
-        if ds.shape[1] < len(params) or ds.shape[2] < len(columns):
-            ds.resize((ds.shape[0], len(params), len(columns)))
-        st.attrs["params"] = fmt.to_json(params)
-        st.attrs["columns"] = fmt.to_json(columns)
         table = np.full((len(params), len(columns)), np.nan, dtype="f4")
-        col_index = {c: i for i, c in enumerate(columns)}
         for name, values in rec.stats.items():
-            r = params.index(name)
-            for c, v in values.items():
-                table[r, col_index[c]] = v
+            r = param_index[name]
+            table[r, [column_index[c] for c in values]] = list(values.values())
         self._append(ds, row, table)
         self._append(st["wall_time"], row, rec.wall_time)
         lr = st["lr"]
