@@ -236,3 +236,15 @@ def test_nonfinite_flag_then_exact_count():
     host = torch.stack([row, stats_mod.tensor_stats(torch.ones(10))])
     stats_mod.count_nonfinite(host, [t, torch.ones(10)])
     assert host[:, stats_mod.NONFINITE].tolist() == [3.0, 0.0]
+
+
+def test_batched_small_tensors_equal_one_by_one():
+    torch.manual_seed(0)
+    tensors = [torch.randn(5), torch.tensor(3.0), torch.zeros(4), torch.randn(100_000), torch.randn(7, 3),
+               torch.tensor([1.0, 0.0, -2.0]), torch.ones(1, 1)]
+    rows = stats_mod.stats_rows(tensors)
+    for t, row in zip(tensors, rows):
+        np.testing.assert_allclose(row.numpy(), stats_mod.tensor_stats(t).numpy(), rtol=1e-5, atol=1e-7,
+                                   equal_nan=True)
+    flagged = stats_mod.stats_rows([torch.tensor([1.0, float("inf")]), torch.ones(3)])
+    assert math.isnan(flagged[0, stats_mod.NONFINITE].item()) and flagged[1, stats_mod.NONFINITE].item() == 0

@@ -13,9 +13,10 @@ the GIL inside the actual write. ``AsyncRunWriter`` is that design:
   then the step marker, flush), so a reader never sees a half-written record.
 * An exception on the writer thread is not lost: the first one is kept, the file is closed, nothing more is
   written, and it is raised (the same exception object) from the next ``write()`` (and every later one);
-  ``close()`` raises it if no call has raised it yet. Opening the file, ``add_optimizer``, ``set_attr``,
-  ``optimizer_meta``, ``last_step`` (and any other RunWriter method, forwarded) wait for their result, so their
-  errors surface at the call.
+  ``close()`` raises it if no call has raised it yet. ``add_dump`` (called during training) is queued like a
+  record. Opening the file, ``add_optimizer``, ``set_attr``, ``optimizer_meta``, ``last_step`` (setup and
+  teardown calls; any other RunWriter method is forwarded the same way) wait for their result, so their errors
+  surface at the call.
 * The thread is a daemon, so a process never hangs on it; an ``atexit`` handler drains and closes writers that are
   still open at exit (it holds them through a ``WeakSet``, so writers can still be garbage collected; a collected
   writer finishes its queue and closes its file on its own thread).
@@ -135,26 +136,30 @@ def _worker(q: _SnapshotQueue, shared: _Shared) -> None:
                     shared.error = exc
                     if future is not None:
                         future.set_exception(exc)
-                    _close_quietly(shared.writer)  # nothing more is written: release the file now
+                    _abort(shared.writer)  # nothing more is written: release the file now
             # Drop the snapshot before waiting for the next one: the queue bound is also the memory bound.
             payload = future = result = None
             if shared.stopping and q.empty():
                 break
     finally:
         shared.stopped = True
-        try:
-            if shared.writer is not None:
-                shared.writer.close()
-        except BaseException as exc:
-            if shared.error is None:
+        if shared.error is not None:
+            _abort(shared.writer)
+        else:
+            try:
+                if shared.writer is not None:
+                    shared.writer.close()
+            except BaseException as exc:
                 shared.error = exc
+                _abort(shared.writer)
         _orphans.discard(threading.current_thread())
 
 
-def _close_quietly(writer) -> None:
+def _abort(writer) -> None:
+    """Close a writer that failed, writing nothing more (RunWriter.abort: no flush into a broken file)."""
     try:
         if writer is not None:
-            writer.close()
+            (getattr(writer, "abort", None) or writer.close)()
     except BaseException:
         pass  # a second error after the first: the first is the one reported
 
@@ -196,10 +201,11 @@ class AsyncRunWriter:
     used directly afterwards.
 
     Same interface as RunWriter for the recorder: ``write(rec)``, ``set_attr(name, value)``,
-    ``add_optimizer(index, meta)``, ``optimizer_meta(index)``, ``last_step(index)``, ``close()``. Also ``pending``
-    (records queued, not yet taken by the writer thread), ``records_written``, ``bytes_written`` (values those
-    records put in the file, see ``_stored_bytes``), ``blocked_seconds`` (total time ``write()`` waited for queue
-    space) and ``error`` (the writer thread's first exception).
+    ``add_optimizer(index, meta)``, ``optimizer_meta(index)``, ``last_step(index)``, ``add_dump(info)``,
+    ``close()``, ``abort()``. Also ``pending`` (records queued, not yet taken by the writer thread),
+    ``records_written``, ``bytes_written`` (values those records put in the file, see ``_stored_bytes``),
+    ``blocked_seconds`` (total time ``write()`` waited for queue space) and ``error`` (the writer thread's first
+    exception).
     """
 
     def __init__(self, *args, max_pending: int = 2, writer: RunWriter | None = None, **kwargs):
@@ -304,8 +310,15 @@ class AsyncRunWriter:
         if self._put((_WRITE, rec, None), count_blocked=True):
             self._raise_if_failed()  # the writer failed while we waited: say so now rather than a step later
 
+    def add_dump(self, info: dict) -> None:
+        """Queue a flight-recorder dump entry after the records queued before it. Called during training, so it
+        does not wait: its error, if any, surfaces like a record's."""
+        self._raise_if_failed()
+        self._check_open("add_dump()")
+        self._put((_CALL, functools.partial(_writer_method, self._shared, "add_dump", info), None))
+
     # Everything else runs on the writer thread too, after what is queued, and returns its result (or raises its
-    # error) to the caller. These are rare structural calls, so waiting costs nothing and errors show at the call.
+    # error) to the caller. These are setup/teardown calls, so waiting costs nothing and errors show at the call.
     def add_optimizer(self, index: int, meta: dict) -> None:
         self._call(_writer_method, self._shared, "add_optimizer", index, meta)
 
@@ -335,6 +348,15 @@ class AsyncRunWriter:
             if self._thread.is_alive():
                 self._put(_STOP)  # after every queued record: this drains the queue
                 self._thread.join()
+
+    def abort(self) -> None:
+        """Close after a failure elsewhere (the recorder's ``_fail``); never raises. Records already handed to
+        ``write()`` are still written if the writer is healthy (the synchronous writer had written them too); after
+        a writer error nothing more is written and the file is closed without a flush."""
+        try:
+            self._shutdown()
+        except BaseException:
+            pass
 
     def close(self) -> None:
         """Write everything queued, close the file and end the thread. Safe to call twice. Raises the writer

@@ -31,7 +31,6 @@ class ParamSnapshot:
     group: int
     index_in_group: int
     param_id: int = 0  # id() of the live parameter, to find it again inside the step
-    stats: dict = field(default_factory=dict)  # statistics-only steps: {kind: (6,) device tensor} launched pre-step
     param: torch.Tensor | None = None
     grad: torch.Tensor | None = None
     state: dict = field(default_factory=dict)  # key -> CPU tensor (0-d for scalars)
@@ -52,6 +51,7 @@ class RecordSnapshot:
     stats: dict | None = None  # per-parameter summary statistics {name: {column: value}} at a statistics step
     stats_meta: dict = field(default_factory=dict)  # {name: {shape, dtype, group, index_in_group}} of those params
     selected: bool = True  # chosen by every= (with a flight recorder, full snapshots are kept for other steps too)
+    pre_stats: tuple | None = None  # statistics-only steps: ([(name, kind)], (n, 6) device rows) taken pre-step
 
 
 def _chunks(shape: tuple) -> tuple:
