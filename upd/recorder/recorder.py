@@ -442,25 +442,30 @@ class Recorder:
 
     def _step_statistics(self, rec: RecordSnapshot, optimizer) -> dict:
         """Summary statistics of every recorded parameter at this step, with one device-to-host copy in all."""
-        index, tensors = [], []
+        index, tensors, updates = [], [], []
         for snap in rec.params:
             live = snap.param_after  # the parameter itself, after the step
             if rec.full:  # statistics of the CPU copies taken for the full record
                 kinds = {"param": snap.param, "grad": snap.grad}
                 kinds.update({f"state.{k}": v for k, v in snap.state.items()})
-                after = live.detach().to("cpu") if snap.param is not None else None
             else:
                 kinds = {"param": snap.param}
                 if rec.closure and live.grad is not None:  # step(closure): the gradient of the last call
                     kinds["grad"] = live.grad
-                after = live.detach()
-            if snap.param is not None and after is not None:
-                kinds["update"] = after - snap.param
             for kind, t in kinds.items():
                 if t is not None:
                     index.append((snap.name, kind))
                     tensors.append(t)
-        parts, sources = [stats_rows(tensors)], list(tensors)
+            if snap.param is not None:
+                updates.append(snap)
+        parts = [stats_rows(tensors)]
+        update_tensors = []
+        for snap in updates:
+            live = snap.param_after.detach()
+            update_tensors.append((live.to("cpu") if rec.full else live) - snap.param)
+            index.append((snap.name, "update"))
+        parts.append(stats_rows(update_tensors))
+        sources = tensors + update_tensors
         if rec.pre_stats is not None:
             pre_keys, pre_rows = rec.pre_stats
             parts.insert(0, pre_rows)
