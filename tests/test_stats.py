@@ -30,7 +30,7 @@ def test_statistics_match_a_direct_reference_computation(tmp_path):
     expected = {}
     g = torch.Generator().manual_seed(0)
     path = str(tmp_path / "run.h5")
-    with upd.record(path, model, opt, every=None, stats_every=1):
+    with upd.record(path, model, opt, every=None, stats_every=1, zero_counts=("param", "grad", "update", "state")):
         for step in range(4):
             x, y = torch.randn(8, 16, generator=g), torch.randn(8, 4, generator=g)
             opt.zero_grad()
@@ -248,3 +248,21 @@ def test_batched_small_tensors_equal_one_by_one():
                                    equal_nan=True)
     flagged = stats_mod.stats_rows([torch.tensor([1.0, float("inf")]), torch.ones(3)])
     assert math.isnan(flagged[0, stats_mod.NONFINITE].item()) and flagged[1, stats_mod.NONFINITE].item() == 0
+
+
+def test_zero_fractions_only_where_asked(tmp_path):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(80, 80), nn.ReLU(), nn.Linear(80, 4))  # an 80x80 weight: the large path
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    path = str(tmp_path / "run.h5")
+    with upd.record(path, model, opt, every=None, stats_every=1):  # default: gradients only
+        for _ in range(2):
+            opt.zero_grad()
+            model(torch.randn(8, 80)).pow(2).mean().backward()
+            opt.step()
+    table = upd.open_run(path).stats()
+    assert table["grad_zero_frac"].notna().all()
+    for kind in ("param", "update", "state.exp_avg"):
+        assert table[f"{kind}_zero_frac"].isna().all(), kind
+    with pytest.raises(ValueError, match="zero_counts"):
+        upd.record(str(tmp_path / "x.h5"), model, opt, zero_counts=("weights",))
