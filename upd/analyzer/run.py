@@ -1,8 +1,11 @@
 """Reading a run file: lazy, committed-records-only access to what the recorder wrote."""
 from __future__ import annotations
 
+import atexit
+import json
 import os
 import stat
+import weakref
 from functools import cached_property
 from typing import Iterator
 
@@ -32,6 +35,9 @@ MAX_NUMEL = 2 ** 48  # elements of one parameter, as declared in its metadata
 # file, so it cannot be larger than the file; HDF5's compression filters shrink data at most ~1032:1 (deflate).
 # A declared shape beyond that is refused before anything is read or allocated.
 MAX_COMPRESSION_RATIO = 4096
+# Tables that grow columns (param groups, statistics slots) leave the chunks of earlier rows of a late column
+# unallocated: a block may declare this many times the data stored for it (chunks hold 64 or more rows).
+_SPARSE = 64
 _NUMERIC_KINDS = "fiucb"  # numpy dtype kinds a tensor dataset may have: float, int, uint, complex, bool
 
 
@@ -128,9 +134,10 @@ class _Validator:
     """Structure checks of one open file: every object is where the format puts it, with the expected kind of
     dtype and rank, and sizes this file can actually hold. Raises RunFileError naming the file and the object."""
 
-    def __init__(self, path: str, file_size: int):
+    def __init__(self, path: str, file_size: int, raw: "_GuardedFile | None" = None):
         self.path = path
         self.file_size = file_size
+        self.raw = raw  # the file as HDF5 reads it: raw access to what HDF5 would allocate for
         self._filtered: dict = {}  # dataset id -> has HDF5 filters (compression)
 
     def fail(self, where: str, problem: str) -> RunFileError:
@@ -158,19 +165,55 @@ class _Validator:
 
     def members(self, group: h5py.Group, where: str) -> list[str]:
         with self.reading(where):
-            return list(group)
+            names = list(group)
+        for name in names:
+            if not _is_utf8(name):
+                raise self.fail(where, f"member name {name.encode('utf-8', 'replace')[:60]!r} is not valid UTF-8")
+        return names
+
+    def attr(self, obj, name: str, where: str):
+        """obj.attrs[name] (KeyError when absent), after checking the lengths its stored strings claim: HDF5
+        allocates what they claim before reading them."""
+        if self.raw is not None:
+            with self.reading(f"{where} attribute {name!r}"):
+                lengths = self.raw.attribute_vlen_lengths(h5py.h5o.get_info(obj.id).addr)
+            claimed = max((lengths or {}).get(name) or [0])
+            if claimed > fmt.MAX_META_BYTES:
+                raise self.fail(where, f"attribute {name!r} claims a string of {claimed} bytes (the limit is "
+                                       f"{fmt.MAX_META_BYTES})")
+        with self.reading(f"{where} attribute {name!r}"):
+            try:
+                return obj.attrs[name]
+            except KeyError:
+                pass
+        raise KeyError(name)  # absent (raised outside reading(), which would make it a RunFileError)
+
+    def vlen_rows(self, ds: h5py.Dataset, rows: range, where: str) -> None:
+        """Before HDF5 reads strings `rows` of ds: refuse lengths it would allocate that no valid run has."""
+        if self.raw is None or not len(rows):
+            return
+        with self.reading(where):
+            lengths = self.raw.dataset_vlen_lengths(ds, rows)
+        claimed = max(lengths or [0])
+        if claimed > fmt.MAX_META_BYTES:
+            raise self.fail(where, f"claims a string of {claimed} bytes (the limit is {fmt.MAX_META_BYTES})")
+
+    def get_attr(self, obj, name: str, where: str, default=None):
+        try:
+            return self.attr(obj, name, where)
+        except KeyError:
+            return default
 
     def json_attr(self, obj, name: str, where: str, expected: type | None = None, default=None, required=True):
         """A JSON text attribute, decoded with the size limit of upd.format; expected: the JSON type it must be."""
-        with self.reading(f"{where} attribute {name!r}"):
-            try:
-                raw = obj.attrs[name]
-            except KeyError:
-                if required:
-                    raise self.fail(where, f"attribute {name!r} missing") from None
-                return default
         try:
-            value = fmt.from_json(raw)
+            raw = self.attr(obj, name, where)
+        except KeyError:
+            if required:
+                raise self.fail(where, f"attribute {name!r} missing") from None
+            return default
+        try:
+            value = _json_value(raw)
         except (ValueError, RecursionError, MemoryError) as exc:  # RecursionError: "[[[[..." nested too deep
             raise self.fail(where, f"attribute {name!r} is not valid JSON text ({_problem(exc)})") from None
         if expected is not None and not isinstance(value, expected):
@@ -178,12 +221,15 @@ class _Validator:
                                    f"{expected.__name__ if isinstance(expected, type) else 'another type'}")
         return value
 
-    def limit(self, ds: h5py.Dataset) -> int:
-        filtered = self._filtered.get(ds.id)
-        if filtered is None:
+    def filtered(self, ds: h5py.Dataset) -> bool:
+        """Whether ds passes through HDF5 filters (compression): its chunks' stored sizes come from the file."""
+        if ds.id not in self._filtered:
             with self.reading(ds.name):
-                filtered = ds.id.get_create_plist().get_nfilters() > 0
-        return self.file_size * (MAX_COMPRESSION_RATIO if filtered else 1)
+                self._filtered[ds.id] = ds.id.get_create_plist().get_nfilters() > 0
+        return self._filtered[ds.id]
+
+    def limit(self, ds: h5py.Dataset) -> int:
+        return self.file_size * (MAX_COMPRESSION_RATIO if self.filtered(ds) else 1)
 
     def dataset(self, group, name: str, where: str, kinds: str, rank: int | None = None, min_rank: int = 1,
                 required: bool = True) -> h5py.Dataset | None:
@@ -212,22 +258,22 @@ class _Validator:
             raise self.fail(where, f"has shape {shape}, expected at least {min_rank} dimension(s)")
         return ds
 
-    def readable(self, ds: h5py.Dataset, rows: int, where: str) -> None:
-        """Refuse reading `rows` rows of ds in one block when this file cannot hold that much data."""
+    def readable(self, ds: h5py.Dataset, rows: int, where: str, sparse: int = 1) -> None:
+        """Refuse reading `rows` rows of ds in one block when this file cannot hold that much data. sparse: how many
+        times the stored data a valid file's block may declare (columns added late leave chunks unallocated)."""
         if rows <= 0:
             return
         per_row = ds.dtype.itemsize
         for d in ds.shape[1:]:
             per_row *= int(d)
         need = rows * per_row
-        if need > self.file_size and need > self.limit(ds):
+        if need > self.file_size * sparse and need > self.limit(ds) * sparse:
             raise self.fail(where, f"declares shape {ds.shape}: {_size(need)} to read at once, more than a "
                                    f"{_size(self.file_size)} file can hold")
 
     def tensor_dtype(self, ds: h5py.Dataset, where: str) -> str | None:
         """The torch_dtype attribute of a tensor dataset, checked against the numpy dtype it is stored as."""
-        with self.reading(f"{where} attribute 'torch_dtype'"):
-            raw = ds.attrs.get("torch_dtype")
+        raw = self.get_attr(ds, "torch_dtype", where)
         if raw is None:
             return None
         if isinstance(raw, bytes):
@@ -259,6 +305,24 @@ def _link_type(group: h5py.Group, name: str) -> int | None:
     return None
 
 
+def _is_utf8(text: str) -> bool:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:  # h5py decodes invalid UTF-8 with surrogate escapes; "\\udcff" in JSON does too
+        return False
+    return True
+
+
+def _json_value(raw):
+    """fmt.from_json, refusing text that is not valid UTF-8 (it could not be printed or written back)."""
+    if isinstance(raw, str) and not _is_utf8(raw):
+        raise ValueError("text is not valid UTF-8")
+    value = fmt.from_json(raw)
+    if not isinstance(value, (int, float, bool, type(None))) and not _is_utf8(json.dumps(value, ensure_ascii=False)):
+        raise ValueError("text holds an invalid Unicode escape (a lone surrogate)")
+    return value
+
+
 _KIND_NAMES = {"iu": "integers", "fiu": "numbers", "f": "floats", _NUMERIC_KINDS: "numbers", "iub": "integers"}
 
 
@@ -277,7 +341,7 @@ class ParamRecord:
         self.optimizer = optimizer
         self.name = name
         self._group = group
-        check = check or _Validator(optimizer.run.path, optimizer.run.size_bytes)
+        check = check or optimizer.run._validator()
         where = f"parameter {name!r} of optimizer {optimizer.index}"
         self.meta = check.json_attr(group, fmt.ATTR_META, where, dict)
         problem = _shape_problem(self.meta.get("shape"))
@@ -316,6 +380,7 @@ class ParamRecord:
             check.readable(ds, 1 if self.rows else 0, f"{where}: dataset {kind!r}")
             self._storage[kind] = check.tensor_dtype(ds, f"{where}: dataset {kind!r}")
         self._state_keys: list[str] = []
+        self._state_dtypes: dict[str, str | None] = {}
         state = check.child(group, fmt.STATE_GROUP, f"{where}: group 'state'", h5py.Group, required=False)
         if state is not None:
             keys = check.json_attr(state, "keys", f"{where}: group 'state'", list, default=[], required=False)
@@ -326,7 +391,7 @@ class ParamRecord:
                 ds = check.dataset(state, key, f"{where}: state {key!r}", _NUMERIC_KINDS, required=False)
                 if ds is not None:  # absent: only an error if a committed row says it is present (state_at)
                     check.readable(ds, 1, f"{where}: state {key!r}")
-                    check.tensor_dtype(ds, f"{where}: state {key!r}")
+                    self._state_dtypes[key] = check.tensor_dtype(ds, f"{where}: state {key!r}")
             if keys:
                 present = check.dataset(group, fmt.STATE_PRESENT, f"{where}: dataset 'state_present'", "iub", rank=2)
                 check.readable(present, 1, f"{where}: dataset 'state_present'")
@@ -365,7 +430,7 @@ class ParamRecord:
 
     def _checked(self, kind: str) -> str | None:
         """The storage dtype of a dataset outside the three kinds (e.g. 'state/exp_avg'), checked like them."""
-        check = _Validator(self.optimizer.run.path, self.optimizer.run.size_bytes)
+        check = self.optimizer.run._validator()
         where = f"parameter {self.name!r} of optimizer {self.optimizer.index}: dataset {kind!r}"
         ds = check.dataset(self._group, kind, where, _NUMERIC_KINDS)
         check.readable(ds, 1, where)
@@ -422,15 +487,13 @@ class ParamRecord:
                         raise RunFileError(f"{self.optimizer.run.path}: state {key!r} of parameter {self.name!r} "
                                            f"(optimizer {self.optimizer.index}) is marked present at row {row} but "
                                            f"has only {ds.shape[0]} rows")
-                    out[key] = self._decode(ds, row, ds.attrs.get("torch_dtype"))
+                    out[key] = self._decode(ds, row, self._state_dtypes.get(key))
         return out
 
     def storage_dtype(self, kind: str = fmt.KIND_PARAM) -> str | None:
         if kind in self._storage:
             return self._storage[kind]
-        with self._reading(f"the dtype of {kind!r}"):
-            ds = self._group.get(kind)
-            return None if ds is None else ds.attrs.get("torch_dtype")
+        return self._checked(kind) if self._has(kind) else None
 
     def block_rows(self, block_bytes: int = DEFAULT_BLOCK_BYTES, kinds: int = 3) -> int:
         per_row = max(1, self.numel * 8 * kinds)  # float64 working copies dominate
@@ -462,7 +525,7 @@ class OptimizerRun:
         self.run = run
         self.index = index
         self._group = group
-        check = check or _Validator(run.path, run.size_bytes)
+        check = check or run._validator()
         where = f"optimizer {index}"
         self.meta = check.json_attr(group, fmt.ATTR_META, where, dict)
         if not isinstance(self.meta.get("class", "?"), str) or not _is_list_of_str(self.meta.get("mro", [])):
@@ -479,8 +542,9 @@ class OptimizerRun:
                 raise check.fail(rec % name, f"has {ds.shape[0]} rows, fewer than the {self.num_records} committed "
                                              f"steps (records/step)")
         for name, ds in (("step", step_ds), ("backward_pass", found["backward_pass"]),
-                         ("wall_time", found["wall_time"]), ("lr", found["lr"])):
+                         ("wall_time", found["wall_time"])):
             check.readable(ds, self.num_records, rec % name)
+        check.readable(found["lr"], self.num_records, rec % "lr", sparse=_SPARSE)
         closure = check.dataset(records, "closure_losses", rec % "closure_losses", "string", rank=1, required=False)
         with check.reading(f"{where}: the record table"):
             self.step = step_ds[()].astype(np.int64, copy=False)
@@ -514,8 +578,10 @@ class OptimizerRun:
         """The param groups' hyperparameters at one record, as the optimizer saw them (JSON-decoded)."""
         if not 0 <= record < self.num_records:
             raise IndexError(f"record {record} out of range ({self.num_records} records)")
+        self.run._validator().vlen_rows(self._hparams_ds, range(record, record + 1),
+                                        f"optimizer {self.index}: records/hparams[{record}]")
         with self._reading(f"records/hparams[{record}]"):
-            value = fmt.from_json(self._hparams_ds[record])
+            value = _json_value(self._hparams_ds[record])
         if not isinstance(value, list) or not all(isinstance(g, dict) for g in value):
             raise RunFileError(f"{self.run.path}: optimizer {self.index}: records/hparams[{record}] is not a JSON list "
                                f"of param-group objects")
@@ -526,8 +592,10 @@ class OptimizerRun:
         ds = self._closure_ds
         if ds is None or not 0 <= record < ds.shape[0]:
             return None
+        self.run._validator().vlen_rows(ds, range(record, record + 1),
+                                        f"optimizer {self.index}: records/closure_losses[{record}]")
         with self._reading(f"records/closure_losses[{record}]"):
-            value = fmt.from_json(ds[record])
+            value = _json_value(ds[record])
         if value is not None and not isinstance(value, list):
             raise RunFileError(f"{self.run.path}: optimizer {self.index}: records/closure_losses[{record}] is not a "
                                f"JSON list or null")
@@ -552,11 +620,13 @@ def _check_stats(check: "_Validator", group: h5py.Group, where: str) -> None:
     n = int(step.shape[0])
     check.readable(step, n, f"{at} 'step'")
     lr = check.dataset(st, "lr", f"{at} 'lr'", "f", rank=2)
-    check.readable(lr, min(n, lr.shape[0]), f"{at} 'lr'")
+    check.readable(lr, min(n, lr.shape[0]), f"{at} 'lr'", sparse=_SPARSE)
     values = check.dataset(st, "values", f"{at} 'values'", "f", rank=3)
     if values.shape[0] < n:
         raise check.fail(f"{at} 'values'", f"has {values.shape[0]} rows, fewer than the {n} committed steps")
-    check.readable(values, min(n, 1024), f"{at} 'values'")
+    from .stats import STATS_BLOCK_ROWS
+
+    check.readable(values, min(n, STATS_BLOCK_ROWS), f"{at} 'values'", sparse=_SPARSE)
     params = check.json_attr(st, "params", at, list)
     columns = check.json_attr(st, "columns", at, list)
     meta = check.json_attr(st, "param_meta", at, dict, default={}, required=False)
@@ -578,8 +648,9 @@ def _check_stats(check: "_Validator", group: h5py.Group, where: str) -> None:
 def _check_run_meta(check: "_Validator", meta: dict) -> None:
     """The root metadata fields readers use: types that `upd info` and `upd verify` can work with."""
     problem = None
-    if not (meta.get("torch_version") is None or isinstance(meta["torch_version"], str)):
-        problem = "'torch_version' is not a string"
+    version = meta.get("torch_version")
+    if not (version is None or (isinstance(version, str) and len(version) <= 100)):
+        problem = "'torch_version' is not a version string"
     created = meta.get("created_unix")
     if created is not None and not (isinstance(created, (int, float)) and not isinstance(created, bool)
                                     and -62135596800 < created < 253402300800):  # datetime's years 1..9999
@@ -593,6 +664,269 @@ def _check_run_meta(check: "_Validator", meta: dict) -> None:
         raise check.fail("run metadata", problem)
 
 
+class _GuardedFile:
+    """The run file as HDF5 reads it (h5py's ``fileobj`` driver), with one check HDF5 lacks.
+
+    HDF5 (2.0.0 and earlier) loops forever, holding the GIL, when a global heap collection (where variable-length
+    strings such as every JSON attribute live) contains a zero-size free-space object: 16 zeroed bytes in the file
+    hang any reader. Every read HDF5 makes passes here; a collection is walked in Python the way HDF5 will walk it,
+    once, and refused (an OSError HDF5 reports as a read error) when the walk would not advance.
+    """
+
+    _GCOL = b"GCOL"
+
+    def __init__(self, path: str):
+        self._fd = os.open(path, os.O_RDONLY | getattr(os, "O_BINARY", 0))
+        self._pos = 0
+        self._size = os.fstat(self._fd).st_size
+        self._checked: set[int] = set()
+        self._attr_cache: dict[int, dict | None] = {}
+        self._offset_size, self._length_size = self._superblock_sizes()
+
+    def _superblock_sizes(self) -> tuple[int, int]:
+        """HDF5's 'size of offsets' and 'size of lengths' from the superblock (at 0, 512, 1024, ...); 8 and 8 when
+        it cannot be found (HDF5 then refuses the file anyway)."""
+        at = 0
+        while at + 16 <= min(self._size, 1 << 20):
+            head = os.pread(self._fd, 16, at)
+            if head[:8] == b"\x89HDF\r\n\x1a\n":
+                offsets, lengths = (head[13], head[14]) if head[8] in (0, 1) else (head[9], head[10])
+                return (offsets if offsets in (2, 4, 8) else 8), (lengths if lengths in (2, 4, 8) else 8)
+            at = 512 if at == 0 else at * 2
+        return 8, 8
+
+    # -- the file-like interface h5py's fileobj driver uses ------------------------------------------------------
+    def seek(self, pos: int, whence: int = 0) -> int:
+        self._pos = pos if whence == 0 else self._pos + pos if whence == 1 else self._size + pos
+        return self._pos
+
+    def tell(self) -> int:
+        return self._pos
+
+    def readinto(self, buffer) -> int:
+        data = os.pread(self._fd, max(0, min(len(buffer), self._size - self._pos)), self._pos)
+        n = len(data)
+        buffer[:n] = data
+        if data[:4] == self._GCOL and self._pos not in self._checked:
+            self._check_collection(self._pos)
+        self._pos += n
+        return n
+
+    def read(self, size: int = -1) -> bytes:
+        size = self._size - self._pos if size is None or size < 0 else size
+        buffer = bytearray(size)
+        return bytes(buffer[: self.readinto(memoryview(buffer))])
+
+    def flush(self) -> None:
+        pass
+
+    def close(self) -> None:
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
+
+    __del__ = close  # only ever collected after HDF5 let go of it: h5py's driver holds a reference until then
+
+    # -- variable-length data, before HDF5 allocates for it --------------------------------------------------
+    # HDF5 allocates (and zeroes) the length a variable-length element's stored reference claims before it looks
+    # at the heap object: one corrupted 4-byte length is a 4 GiB allocation. These read the stored references
+    # themselves (an attribute's in its object header, a dataset element's in its chunk) so the reader can refuse
+    # an absurd length first.
+
+    def vlen_ref_size(self) -> int:
+        return 4 + self._offset_size + 4  # sequence length, heap collection address, object index
+
+    def vlen_lengths(self, raw: bytes) -> list[int]:
+        step = self.vlen_ref_size()
+        return [int.from_bytes(raw[i:i + 4], "little") for i in range(0, len(raw) - step + 1, step)]
+
+    def dataset_vlen_lengths(self, ds: h5py.Dataset, rows: range) -> list[int] | None:
+        """Stored lengths of the variable-length elements `rows` of a 1-D dataset, read from the file itself;
+        None when they are not stored plainly (compressed chunks, compact layout): HDF5 then reads them unchecked."""
+        step = self.vlen_ref_size()
+        dcpl = ds.id.get_create_plist()
+        layout = dcpl.get_layout()
+        if layout == h5py.h5d.CONTIGUOUS:
+            base = ds.id.get_offset()
+            return [0 if base is None else int.from_bytes(self._pread(4, base + r * step), "little") for r in rows]
+        if layout != h5py.h5d.CHUNKED or dcpl.get_nfilters():
+            return None
+        chunk = dcpl.get_chunk()[0]
+        out = []
+        for r in rows:
+            first = r // chunk * chunk
+            info = ds.id.get_chunk_info_by_coord((first,))
+            out.append(0 if info.byte_offset is None else  # never written: fill values, empty strings
+                       int.from_bytes(self._pread(4, info.byte_offset + (r - first) * step), "little"))
+        return out
+
+    def attribute_vlen_lengths(self, header_addr: int) -> dict[str, list[int]] | None:
+        """{attribute name: stored lengths of its variable-length elements} for the attributes kept in the object
+        header at header_addr (HDF5's compact attribute storage). None when the header is not laid out that way
+        (dense attribute storage, an unknown version): HDF5 is then left to read them unchecked."""
+        if header_addr in self._attr_cache:
+            return self._attr_cache[header_addr]
+        try:
+            found = self._parse_object_header(header_addr)
+        except (IndexError, ValueError, OSError):
+            found = None
+        self._attr_cache[header_addr] = found
+        return found
+
+    def _pread(self, size: int, at: int) -> bytes:
+        if at < 0 or size < 0 or at + size > self._size or size > 1 << 24:
+            raise ValueError("a stored block lies outside the file")
+        return os.pread(self._fd, size, at)
+
+    def _parse_object_header(self, addr: int) -> dict[str, list[int]] | None:
+        o, n = self._offset_size, self._length_size
+        head = self._pread(16, addr)
+        blocks = []  # (start, end, message header size, creation-order flag known per message)
+        if head[:4] == b"OHDR":
+            if head[4] != 2:
+                return None
+            flags = head[5]
+            at = addr + 6 + (16 if flags & 0x20 else 0) + (4 if flags & 0x10 else 0)
+            width = 1 << (flags & 0x03)
+            chunk = int.from_bytes(self._pread(width, at), "little")
+            at += width
+            blocks.append((at, at + chunk, 2, flags & 0x04))
+        elif head[0] == 1:
+            size = int.from_bytes(head[8:12], "little")
+            blocks.append((addr + 16, addr + 16 + size, 1, 0))
+        else:
+            return None
+        out: dict[str, list[int]] = {}
+        seen = 0
+        while blocks:
+            start, end, version, order = blocks.pop()
+            seen += 1
+            if seen > 64:
+                raise ValueError("too many object header continuation blocks")
+            data = self._pread(end - start, start)
+            p = 0
+            while True:
+                if version == 1:
+                    if p + 8 > len(data):
+                        break
+                    mtype = int.from_bytes(data[p:p + 2], "little")
+                    msize = int.from_bytes(data[p + 2:p + 4], "little")
+                    body = p + 8
+                else:
+                    hsize = 6 if order else 4
+                    if p + hsize > len(data) - 4:  # the last 4 bytes are the checksum
+                        break
+                    mtype = data[p]
+                    msize = int.from_bytes(data[p + 1:p + 3], "little")
+                    body = p + hsize
+                message = data[body:body + msize]
+                if len(message) < msize:
+                    raise ValueError("object header message runs past its block")
+                if mtype == 0x0010:  # continuation: another block of messages
+                    c_at = int.from_bytes(message[:o], "little")
+                    c_len = int.from_bytes(message[o:o + n], "little")
+                    if version == 2:
+                        if self._pread(4, c_at) != b"OCHK":
+                            raise ValueError("bad continuation block")
+                        blocks.append((c_at + 4, c_at + c_len, 2, order))
+                    else:
+                        blocks.append((c_at, c_at + c_len, 1, 0))
+                elif mtype == 0x0015:  # attribute info: where dense attribute storage (a fractal heap) is, if used
+                    heap = message[2 + (2 if message[1] & 0x01 else 0):][:o]
+                    if heap != b"\xff" * o:
+                        return None  # the attributes live in the fractal heap, not in this header
+                elif mtype == 0x000C:
+                    name, lengths = self._attribute_message(message)
+                    if name is not None:
+                        out[name] = lengths
+                p = body + msize
+        return out
+
+    def _attribute_message(self, m: bytes) -> tuple[str | None, list[int]]:
+        """(name, stored variable-length element lengths) of an attribute message; ([], for fixed-size data)."""
+        version, flags = m[0], m[1]
+        name_size = int.from_bytes(m[2:4], "little")
+        dt_size = int.from_bytes(m[4:6], "little")
+        ds_size = int.from_bytes(m[6:8], "little")
+        if version == 1:
+            pad = lambda x: (x + 7) & ~7  # noqa: E731
+            p = 8
+            name = m[p:p + name_size]
+            p += pad(name_size)
+            dt = m[p:p + dt_size]
+            p += pad(dt_size)
+            ds = m[p:p + ds_size]
+            p += pad(ds_size)
+        elif version in (2, 3):
+            if flags & 0x03:  # shared datatype or dataspace: not described here
+                return None, []
+            p = 8 if version == 2 else 9
+            name = m[p:p + name_size]
+            p += name_size
+            dt = m[p:p + dt_size]
+            p += dt_size
+            ds = m[p:p + ds_size]
+            p += ds_size
+        else:
+            return None, []
+        name = name.split(b"\0", 1)[0].decode("utf-8", "replace")
+        if not dt or dt[0] & 0x0F != 9:  # not variable-length
+            return name, []
+        count = self._dataspace_elements(ds)
+        step = self.vlen_ref_size()
+        return name, self.vlen_lengths(m[p:p + count * step])
+
+    def _dataspace_elements(self, ds: bytes) -> int:
+        version, rank = ds[0], ds[1]
+        if version == 2 and ds[3] == 2:  # null dataspace
+            return 0
+        start = 8 if version == 1 else 4
+        count = 1
+        for i in range(rank):
+            count *= int.from_bytes(ds[start + i * self._length_size:start + (i + 1) * self._length_size], "little")
+        return count
+
+    # -- the check ---------------------------------------------------------------------------------------------
+    def _check_collection(self, at: int) -> None:
+        """Walk the global heap collection at byte `at` as HDF5's H5HG deserializer does; raise when it would loop."""
+        n = self._length_size
+        header = os.pread(self._fd, 8 + n, at)
+        if len(header) < 8 + n:
+            return  # HDF5 reports a short collection itself
+        size = int.from_bytes(header[8:8 + n], "little")
+        data = os.pread(self._fd, min(size, self._size - at), at)
+        if len(data) < size:
+            return  # beyond the end of the file: HDF5 reports it
+        obj_header = 2 + 2 + 4 + n
+        p = (8 + n + 7) & ~7  # H5HG_SIZEOF_HDR, aligned
+        mask = (1 << 64) - 1
+        while p < size:
+            if p + obj_header > size:
+                break  # HDF5 takes the rest as free space
+            idx = int.from_bytes(data[p:p + 2], "little")
+            length = int.from_bytes(data[p + 8:p + 8 + n], "little")
+            need = (obj_header + ((length + 7) & ~7 & mask)) & mask if idx else length
+            if need == 0 or need >= 1 << 63:  # p would not move forward (or would wrap around)
+                raise OSError(f"corrupted global heap collection at byte {at}: object at byte {at + p} has "
+                              f"size {length}")
+            p += need
+        self._checked.add(at)
+
+
+_OPEN_RUNS: "weakref.WeakSet[Run]" = weakref.WeakSet()
+
+
+@atexit.register
+def _close_open_runs() -> None:
+    # h5py's fileobj driver must not outlive the interpreter: a run left open at exit would crash HDF5's own
+    # shutdown (a segfault after the Python objects it calls are gone). Close them while Python still runs.
+    for run in list(_OPEN_RUNS):
+        try:
+            run.close()
+        except Exception:
+            pass
+
+
 class Run:
     """A recorded run. ``upd.open_run(path)`` opens one; use it as a context manager or call ``close()``."""
 
@@ -600,9 +934,15 @@ class Run:
         self.path = os.fspath(path)
         _check_path(self.path)
         try:
-            self._file = h5py.File(self.path, "r")
+            self._raw = _GuardedFile(self.path)
+        except OSError as exc:
+            raise RunFileError(f"{self.path}: cannot open ({_problem(exc)})") from None
+        try:
+            self._file = h5py.File(self._raw, "r")
         except Exception as exc:  # h5py raises OSError for most non-HDF5 input, other types for some garbage
+            self._raw.close()
             raise RunFileError(f"{self.path}: not a readable HDF5 file ({_problem(exc)})") from None
+        _OPEN_RUNS.add(self)
         try:
             self._load()
         except RunFileError:
@@ -613,11 +953,9 @@ class Run:
             raise RunFileError(f"{self.path}: unreadable run ({_problem(exc)})") from None
 
     def _load(self) -> None:
-        check = _Validator(self.path, os.path.getsize(self.path))
-        attrs = self._file.attrs
-        with check.reading("the root attributes"):
-            fmt_name = attrs.get(fmt.ATTR_FORMAT)
-            version = attrs.get(fmt.ATTR_VERSION)
+        check = self._validator()
+        fmt_name = check.get_attr(self._file, fmt.ATTR_FORMAT, "root")
+        version = check.get_attr(self._file, fmt.ATTR_VERSION, "root")
         if isinstance(fmt_name, bytes):
             fmt_name = fmt_name.decode("utf-8", "replace")
         if not isinstance(fmt_name, str) or fmt_name != fmt.FORMAT_NAME:
@@ -647,6 +985,9 @@ class Run:
 
     def _reading(self, what: str) -> _Reading:
         return _Reading(self.path, what)
+
+    def _validator(self) -> _Validator:
+        return _Validator(self.path, self.size_bytes, getattr(self, "_raw", None))
 
     # -- overview ---------------------------------------------------------------------------------------------
     @property
@@ -767,12 +1108,17 @@ class Run:
     @property
     def dumps(self) -> list[dict]:
         """Flight-recorder dumps: optimizer, reason, trigger_step, steps written, wall_time."""
-        if "flight_dumps" not in self._file:
+        check = self._validator()
+        ds = check.dataset(self._file, "flight_dumps", "dataset 'flight_dumps'", "string", rank=1, required=False)
+        if ds is None:
             return []
-        try:
-            return [fmt.from_json(x) for x in self._file["flight_dumps"][()]]
-        except (ValueError, TypeError, OSError) as exc:
-            raise RunFileError(f"{self.path}: flight_dumps is malformed ({exc})") from None
+        check.readable(ds, ds.shape[0], "dataset 'flight_dumps'")
+        check.vlen_rows(ds, range(ds.shape[0]), "dataset 'flight_dumps'")
+        with self._reading("dataset 'flight_dumps'"):
+            dumps = [_json_value(x) for x in ds[()]]
+        if not all(isinstance(d, dict) for d in dumps):
+            raise RunFileError(f"{self.path}: flight_dumps is malformed (not a list of JSON objects)")
+        return dumps
 
     def stats(self) -> pd.DataFrame:
         """The per-step statistics table (recorded with stats_every=): one row per (optimizer, param, step) with
@@ -786,6 +1132,10 @@ class Run:
         f = getattr(self, "_file", None)
         if f is not None and f.id.valid:
             f.close()
+        raw = getattr(self, "_raw", None)
+        if raw is not None:
+            raw.close()  # after the HDF5 file: HDF5 reads through it until then
+        _OPEN_RUNS.discard(self)
 
     def __enter__(self) -> "Run":
         return self

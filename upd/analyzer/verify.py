@@ -14,7 +14,7 @@ import torch
 from .. import format as fmt
 from ..replay import NotReplayable, lookup, registered
 from .explain import explain
-from .run import Run, open_run
+from .run import Run, RunFileError, open_run
 
 # Exit codes of `upd verify` (documented in README and `upd verify --help`).
 EXIT_MATCH, EXIT_MISMATCH, EXIT_UNUSABLE, EXIT_NOTHING_VERIFIABLE = 0, 1, 2, 3
@@ -163,6 +163,9 @@ def _verify_optimizer(run: Run, opt, rtol, ulps, rows: list, problems: list, not
     def group_of(record: int, group: int) -> dict:
         if record not in hparams_cache:
             hparams_cache[record] = [unwrap_hparams(g) for g in opt.hparams(record)]
+        if group >= len(hparams_cache[record]):
+            raise RunFileError(f"{run.path}: optimizer {opt.index}: records/hparams[{record}] has "
+                               f"{len(hparams_cache[record])} param group(s), no group {group}")
         return hparams_cache[record][group]
 
     for p in opt.params.values():
@@ -196,6 +199,12 @@ def _verify_optimizer(run: Run, opt, rtol, ulps, rows: list, problems: list, not
             except NotReplayable as exc:
                 check["note"] = str(exc)
                 continue
+            except RunFileError:
+                raise
+            except Exception as exc:  # the recorded values (from the file) are not what the rule can work with
+                raise RunFileError(f"{run.path}: optimizer {opt.index} parameter {p.name!r} step "
+                                   f"{int(opt.step[record])}: replay rule {rule.name} failed on the recorded "
+                                   f"values ({type(exc).__name__}: {exc})") from exc
             rule_rtol = (replayed.rtol or rule.rtol) if rtol is None else rtol
             rule_ulps = rule.ulps if ulps is None else ulps
             # Reduced-precision storage rounds the inputs too: the update can only be checked to that precision.

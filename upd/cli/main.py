@@ -45,7 +45,8 @@ class _Group(click.Group):
             _fail(f"{type(exc).__name__}: {exc} (set UPD_DEBUG=1 for a traceback)")
 
 
-RUN_ARG = click.argument("run", type=click.Path(dir_okay=True, path_type=str))
+# readable=False: the reader reports an unreadable file in its own one line (click would print a usage error).
+RUN_ARG = click.argument("run", type=click.Path(dir_okay=True, readable=False, path_type=str))
 
 
 @click.group(cls=_Group, epilog=EXIT_CODES, context_settings={"help_option_names": ["-h", "--help"]})
