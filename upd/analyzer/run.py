@@ -183,9 +183,13 @@ class _Validator:
                                        f"{fmt.MAX_META_BYTES})")
         with self.reading(f"{where} attribute {name!r}"):
             try:
-                return obj.attrs[name]
+                shape = obj.attrs.get_id(name).shape  # the attribute's header only
             except KeyError:
-                pass
+                shape = False
+            if shape is not False and not (shape is None or int(np.prod(shape, dtype=object)) <= 1):
+                raise self.fail(where, f"attribute {name!r} has shape {shape}, expected a single value")
+            if shape is not False:
+                return obj.attrs[name]
         raise KeyError(name)  # absent (raised outside reading(), which would make it a RunFileError)
 
     def vlen_rows(self, ds: h5py.Dataset, rows: range, where: str) -> None:
@@ -665,13 +669,16 @@ def _check_run_meta(check: "_Validator", meta: dict) -> None:
 
 
 class _GuardedFile:
-    """The run file as HDF5 reads it (h5py's ``fileobj`` driver), with one check HDF5 lacks.
+    """The run file as HDF5 reads it (h5py's ``fileobj`` driver), with the checks HDF5 (2.0.0) lacks.
 
-    HDF5 (2.0.0 and earlier) loops forever, holding the GIL, when a global heap collection (where variable-length
-    strings such as every JSON attribute live) contains a zero-size free-space object: 16 zeroed bytes in the file
-    hang any reader. Every read HDF5 makes passes here; a collection is walked in Python the way HDF5 will walk it,
-    once, and refused (an OSError HDF5 reports as a read error) when the walk would not advance.
+    HDF5 loops forever, holding the GIL, when a global heap collection (where variable-length strings such as every
+    JSON attribute live) contains a zero-size object: 16 zeroed bytes in the file hang any reader. Every read HDF5
+    makes passes here; a collection is walked in Python the way HDF5 will walk it, once, and refused (an OSError
+    HDF5 reports as a read error) when the walk would not advance. The methods below read the stored references
+    of variable-length strings, whose claimed lengths HDF5 allocates before reading them.
     """
+
+    MAX_COLLECTION = fmt.MAX_META_BYTES + (1 << 20)  # the largest string a run holds, in a collection of its own
 
     _GCOL = b"GCOL"
 
@@ -894,6 +901,9 @@ class _GuardedFile:
         if len(header) < 8 + n:
             return  # HDF5 reports a short collection itself
         size = int.from_bytes(header[8:8 + n], "little")
+        if size > self.MAX_COLLECTION:
+            raise OSError(f"global heap collection at byte {at} claims {size} bytes (a run's strings need at most "
+                          f"{self.MAX_COLLECTION})")
         data = os.pread(self._fd, min(size, self._size - at), at)
         if len(data) < size:
             return  # beyond the end of the file: HDF5 reports it

@@ -239,7 +239,7 @@ def demo(out_dir, init, steps, seed, force):
     kwargs = {"init": init, "seed": seed}
     if steps is not None:
         kwargs["steps"] = steps
-    result = makemore.train(path, log=lambda msg: click.echo(f"  {msg}"), **kwargs)
+    makemore.train(path, log=lambda msg: click.echo(f"  {msg}"), **kwargs)
     click.echo(f"recorded {path} ({os.path.getsize(path) / 1e6:.1f} MB) in {time.perf_counter() - started:.1f} s")
     analysis_dir = os.path.join(out_dir, f"analysis-{init}")
     analysis = analyze_run(path, analysis_dir)

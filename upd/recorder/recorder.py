@@ -15,7 +15,7 @@ import threading
 import time
 import warnings
 import weakref
-from typing import Iterable, Sequence
+from typing import Sequence
 
 import torch
 

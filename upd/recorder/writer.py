@@ -296,12 +296,7 @@ class RunWriter:
             table[r, [column_index[c] for c in values]] = list(values.values())
         self._append(ds, row, table)
         self._append(st["wall_time"], row, rec.wall_time)
-        lr = st["lr"]
-        if lr.shape[1] < len(rec.hparams):
-            lr.resize(len(rec.hparams), axis=1)
-        lr_row = np.full(lr.shape[1], np.nan)
-        lr_row[: len(rec.hparams)] = [fmt.lr_of(g) for g in rec.hparams]
-        self._append(lr, row, lr_row)
+        self._append_lr(st["lr"], row, rec.hparams)
 
     def _write_full(self, rec: RecordSnapshot) -> None:
         opt = self.file["optimizers"][str(rec.optimizer)]
@@ -324,12 +319,15 @@ class RunWriter:
         self._append(rec_grp["wall_time"], record, rec.wall_time)
         self._append(rec_grp["hparams"], record, fmt.to_json(rec.hparams))
         self._append(rec_grp["closure_losses"], record, fmt.to_json(rec.closure_losses if rec.closure else None))
-        lr = rec_grp["lr"]
-        if lr.shape[1] < len(rec.hparams):
-            lr.resize(len(rec.hparams), axis=1)
+        self._append_lr(rec_grp["lr"], record, rec.hparams)
+
+    def _append_lr(self, lr: h5py.Dataset, row: int, hparams: list) -> None:
+        """One row of per-param-group lr; the group axis grows with add_param_group, NaN for absent groups."""
+        if lr.shape[1] < len(hparams):
+            lr.resize(len(hparams), axis=1)
         lr_row = np.full(lr.shape[1], np.nan)
-        lr_row[: len(rec.hparams)] = [fmt.lr_of(g) for g in rec.hparams]
-        self._append(lr, record, lr_row)
+        lr_row[: len(hparams)] = [fmt.lr_of(g) for g in hparams]
+        self._append(lr, row, lr_row)
 
     def _write_state(self, grp: h5py.Group, row: int, state: dict) -> None:
         st = grp[fmt.STATE_GROUP]

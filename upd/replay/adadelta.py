@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from .registry import NotReplayable, Replayed, register
+from .registry import Replayed, register, require, scalar
 
 
 def adadelta_step(param, grad, square_avg, acc_delta, step, *, lr, rho, eps, weight_decay, maximize):
@@ -30,24 +30,18 @@ def adadelta_step(param, grad, square_avg, acc_delta, step, *, lr, rho, eps, wei
     return param - lr * delta, square_avg, acc_delta, step
 
 
-def _scalar(value) -> float:
-    return float(value[0] if isinstance(value, list) else value)
-
-
 @register(torch.optim.Adadelta)
 def adadelta(param, grad, state, group, step):
     if state:
-        missing = [k for k in ("square_avg", "acc_delta", "step") if k not in state]
-        if missing:
-            raise NotReplayable(f"state lacks {', '.join(missing)}")
+        require(state, ("square_avg", "acc_delta", "step"))
         square_avg, acc_delta = state["square_avg"], state["acc_delta"]
         done = int(round(float(state["step"])))
     else:  # first step: torch initialises both averages to zero
         square_avg, acc_delta = torch.zeros_like(param), torch.zeros_like(param)
         done = 0
     new_param, sq, acc, new_step = adadelta_step(
-        param, grad, square_avg, acc_delta, done, lr=_scalar(group["lr"]), rho=_scalar(group["rho"]),
-        eps=_scalar(group["eps"]), weight_decay=_scalar(group.get("weight_decay", 0.0)),
+        param, grad, square_avg, acc_delta, done, lr=scalar(group["lr"]), rho=scalar(group["rho"]),
+        eps=scalar(group["eps"]), weight_decay=scalar(group.get("weight_decay", 0.0)),
         maximize=group.get("maximize", False))
     return Replayed(new_param, {"step": torch.tensor(float(new_step), dtype=torch.float64), "square_avg": sq,
                                 "acc_delta": acc})

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from .registry import NotReplayable, Replayed, register
+from .registry import Replayed, register, require, scalar
 
 
 def adafactor_step(param, grad, row_var, col_var, variance, step, *, lr, beta2_decay, eps1, eps2, d, weight_decay,
@@ -44,10 +44,6 @@ def adafactor_step(param, grad, row_var, col_var, variance, step, *, lr, beta2_d
     return param - (alpha / denom) * update, row_var, col_var, variance, step
 
 
-def _scalar(value) -> float:
-    return float(value[0] if isinstance(value, list) else value)
-
-
 def _fits_float32(*tensors) -> bool:
     return all(bool((t.float().double() == t).all()) for t in tensors if t.is_floating_point())
 
@@ -57,9 +53,7 @@ def adafactor(param, grad, state, group, step):
     factored = grad.dim() > 1
     keys = ("row_var", "col_var") if factored else ("variance",)
     if state:
-        missing = [k for k in ("step",) + keys if k not in state]
-        if missing:
-            raise NotReplayable(f"state lacks {', '.join(missing)}")
+        require(state, ("step",) + keys)
         done = int(round(float(state["step"])))
         row_var, col_var, variance = state.get("row_var"), state.get("col_var"), state.get("variance")
     else:  # first step: torch initialises the moments to zero
@@ -73,7 +67,7 @@ def adafactor(param, grad, state, group, step):
         dtype = torch.float32 if _fits_float32(param, grad, *state.values()) else torch.float64
         eps1 = torch.finfo(dtype).eps
     new_param, row_var, col_var, variance, new_step = adafactor_step(
-        param, grad, row_var, col_var, variance, done, lr=_scalar(group["lr"]), beta2_decay=group["beta2_decay"],
+        param, grad, row_var, col_var, variance, done, lr=scalar(group["lr"]), beta2_decay=group["beta2_decay"],
         eps1=float(eps1), eps2=float(eps2), d=group["d"], weight_decay=group.get("weight_decay", 0),
         maximize=group.get("maximize", False))
     new_state = {"step": torch.tensor(float(new_step), dtype=torch.float64)}

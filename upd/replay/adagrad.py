@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import torch
 
-from .registry import NotReplayable, Replayed, register
+from .registry import Replayed, register, require, scalar
 
 
 def adagrad_step(param, grad, state_sum, step, *, lr, lr_decay, weight_decay, eps, maximize):
@@ -32,16 +32,10 @@ def adagrad_step(param, grad, state_sum, step, *, lr, lr_decay, weight_decay, ep
     return param - clr * grad / std, state_sum, step
 
 
-def _scalar(value) -> float:
-    return float(value[0] if isinstance(value, list) else value)
-
-
 @register(torch.optim.Adagrad)
 def adagrad(param, grad, state, group, step):
     if state:
-        missing = [k for k in ("sum", "step") if k not in state]
-        if missing:
-            raise NotReplayable(f"state lacks {', '.join(missing)}")
+        require(state, ("sum", "step"))
         state_sum = state["sum"]
         done = int(round(float(state["step"])))
     else:
@@ -49,10 +43,10 @@ def adagrad(param, grad, state, group, step):
         # not recorded, or for a group added later (created on its first step, with step 0). torch fills "sum"
         # with the constructor's initial_accumulator_value (self.defaults), which is also each group's value
         # unless the group was given its own (which torch ignores, and this replay cannot see).
-        state_sum = torch.full_like(param, _scalar(group.get("initial_accumulator_value", 0.0)))
+        state_sum = torch.full_like(param, scalar(group.get("initial_accumulator_value", 0.0)))
         done = 0
     new_param, new_sum, new_step = adagrad_step(
-        param, grad, state_sum, done, lr=_scalar(group["lr"]), lr_decay=_scalar(group.get("lr_decay", 0.0)),
-        weight_decay=_scalar(group.get("weight_decay", 0.0)), eps=_scalar(group["eps"]),
+        param, grad, state_sum, done, lr=scalar(group["lr"]), lr_decay=scalar(group.get("lr_decay", 0.0)),
+        weight_decay=scalar(group.get("weight_decay", 0.0)), eps=scalar(group["eps"]),
         maximize=group.get("maximize", False))
     return Replayed(new_param, {"step": torch.tensor(float(new_step), dtype=torch.float64), "sum": new_sum})

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import torch
 
-from .registry import NotReplayable, Replayed, register
+from .registry import Replayed, register, require, scalar
 
 
 def adam_step(param, grad, exp_avg, exp_avg_sq, max_exp_avg_sq, step, *, lr, beta1, beta2, eps, weight_decay,
@@ -31,10 +31,6 @@ def adam_step(param, grad, exp_avg, exp_avg_sq, max_exp_avg_sq, step, *, lr, bet
     return param, exp_avg, exp_avg_sq, (max_exp_avg_sq if amsgrad else None), step
 
 
-def _scalar(value) -> float:
-    return float(value[0] if isinstance(value, list) else value)
-
-
 @register(torch.optim.Adam)
 def adam(param, grad, state, group, step):
     return _replay(param, grad, state, group, decoupled_default=False)
@@ -49,10 +45,7 @@ def adamw(param, grad, state, group, step):
 def _replay(param, grad, state, group, *, decoupled_default):
     amsgrad = bool(group.get("amsgrad", False))
     if state:
-        missing = [k for k in ("exp_avg", "exp_avg_sq", "step") + (("max_exp_avg_sq",) if amsgrad else ())
-                   if k not in state]
-        if missing:
-            raise NotReplayable(f"state lacks {', '.join(missing)}")
+        require(state, ("exp_avg", "exp_avg_sq", "step") + (("max_exp_avg_sq",) if amsgrad else ()))
         exp_avg, exp_avg_sq = state["exp_avg"], state["exp_avg_sq"]
         max_sq = state.get("max_exp_avg_sq")
         done = int(round(float(state["step"])))
@@ -63,8 +56,8 @@ def _replay(param, grad, state, group, *, decoupled_default):
     beta1, beta2 = group["betas"]
     decoupled = group.get("decoupled_weight_decay", decoupled_default)
     new_param, m, v, vmax, new_step = adam_step(
-        param, grad, exp_avg, exp_avg_sq, max_sq, done, lr=_scalar(group["lr"]), beta1=_scalar(beta1),
-        beta2=_scalar(beta2), eps=group["eps"], weight_decay=group.get("weight_decay", 0), amsgrad=amsgrad,
+        param, grad, exp_avg, exp_avg_sq, max_sq, done, lr=scalar(group["lr"]), beta1=scalar(beta1),
+        beta2=scalar(beta2), eps=group["eps"], weight_decay=group.get("weight_decay", 0), amsgrad=amsgrad,
         maximize=group.get("maximize", False), decoupled_weight_decay=bool(decoupled))
     new_state = {"step": torch.tensor(float(new_step), dtype=torch.float64), "exp_avg": m, "exp_avg_sq": v}
     if vmax is not None:

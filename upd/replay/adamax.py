@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from .registry import NotReplayable, Replayed, register
+from .registry import Replayed, register, require, scalar
 
 
 def beta_power(beta, step, *, float32=False):
@@ -37,16 +37,10 @@ def adamax_step(param, grad, exp_avg, exp_inf, step, *, lr, beta1, beta2, eps, w
     return param, exp_avg, exp_inf, step
 
 
-def _scalar(value) -> float:
-    return float(value[0] if isinstance(value, list) else value)
-
-
 @register(torch.optim.Adamax)
 def adamax(param, grad, state, group, step):
     if state:
-        missing = [k for k in ("exp_avg", "exp_inf", "step") if k not in state]
-        if missing:
-            raise NotReplayable(f"state lacks {', '.join(missing)}")
+        require(state, ("exp_avg", "exp_inf", "step"))
         exp_avg, exp_inf = state["exp_avg"], state["exp_inf"]
         done = int(round(float(state["step"])))
     else:  # first step: torch initialises both moments to zero
@@ -54,7 +48,7 @@ def adamax(param, grad, state, group, step):
         done = 0
     beta1, beta2 = group["betas"]
     new_param, m, u, new_step = adamax_step(
-        param, grad, exp_avg, exp_inf, done, lr=_scalar(group["lr"]), beta1=_scalar(beta1), beta2=_scalar(beta2),
+        param, grad, exp_avg, exp_inf, done, lr=scalar(group["lr"]), beta1=scalar(beta1), beta2=scalar(beta2),
         eps=group["eps"], weight_decay=group.get("weight_decay", 0), maximize=group.get("maximize", False),
         capturable=bool(group.get("capturable", False)))
     return Replayed(new_param, {"step": torch.tensor(float(new_step), dtype=torch.float64), "exp_avg": m,

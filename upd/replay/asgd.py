@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from .registry import NotReplayable, Replayed, register
+from .registry import Replayed, register, require, scalar
 
 
 def asgd_step(param, grad, ax, eta, mu, step, *, lr, lambd, alpha, t0, weight_decay, maximize):
@@ -33,24 +33,18 @@ def asgd_step(param, grad, ax, eta, mu, step, *, lr, lambd, alpha, t0, weight_de
     return param, ax, new_eta, new_mu, step
 
 
-def _scalar(value) -> float:
-    return float(value[0] if isinstance(value, list) else value)
-
-
 @register(torch.optim.ASGD)
 def asgd(param, grad, state, group, step):
-    lr = _scalar(group["lr"])
+    lr = scalar(group["lr"])
     if state:
-        missing = [k for k in ("step", "eta", "mu", "ax") if k not in state]
-        if missing:
-            raise NotReplayable(f"state lacks {', '.join(missing)}")
+        require(state, ("step", "eta", "mu", "ax"))
         done = int(round(float(state["step"])))
         eta, mu, ax = float(state["eta"]), float(state["mu"]), state["ax"]
     else:  # first step: eta = lr, mu = 1, ax = 0
         done, eta, mu, ax = 0, lr, 1.0, torch.zeros_like(param)
     new_param, new_ax, new_eta, new_mu, new_step = asgd_step(
-        param, grad, ax, eta, mu, done, lr=lr, lambd=_scalar(group["lambd"]), alpha=_scalar(group["alpha"]),
-        t0=_scalar(group["t0"]), weight_decay=_scalar(group.get("weight_decay", 0.0)),
+        param, grad, ax, eta, mu, done, lr=lr, lambd=scalar(group["lambd"]), alpha=scalar(group["alpha"]),
+        t0=scalar(group["t0"]), weight_decay=scalar(group.get("weight_decay", 0.0)),
         maximize=group.get("maximize", False))
     f64 = torch.float64
     return Replayed(new_param, {"step": torch.tensor(float(new_step), dtype=f64), "ax": new_ax,

@@ -23,7 +23,7 @@ import math
 
 import torch
 
-from .registry import DEFAULT_RTOL, NotReplayable, Replayed, register
+from .registry import DEFAULT_RTOL, NotReplayable, Replayed, register, scalar
 
 # Tolerance: the default. Measured on CPU records (torch 2.13; 18 configurations of ns_steps, ns_coefficients,
 # nesterov, momentum, eps, adjust_lr_fn, weight_decay, tensor lr on the mlp/conv/attention models, 40 steps each):
@@ -79,10 +79,6 @@ def _fits_float32(*tensors) -> bool:
     return all(bool((t.float().double() == t).all()) for t in tensors)
 
 
-def _scalar(value) -> float:
-    return float(value[0] if isinstance(value, list) else value)
-
-
 @register(torch.optim.Muon, rtol=MUON_RTOL)
 def muon(param, grad, state, group, step):
     if param.dim() != 2:
@@ -91,7 +87,7 @@ def muon(param, grad, state, group, step):
         raise NotReplayable("state lacks momentum_buffer")
     buf = state.get("momentum_buffer", torch.zeros_like(param))
     dtype = torch.float32 if _fits_float32(param, grad, buf) else torch.float64
-    new_param, buf = muon_step(param, grad, buf, lr=_scalar(group["lr"]), weight_decay=group["weight_decay"],
+    new_param, buf = muon_step(param, grad, buf, lr=scalar(group["lr"]), weight_decay=group["weight_decay"],
                                momentum=group["momentum"], nesterov=group["nesterov"],
                                ns_coefficients=tuple(group["ns_coefficients"]), ns_steps=int(group["ns_steps"]),
                                eps=group["eps"], adjust_lr_fn=group.get("adjust_lr_fn"), input_dtype=dtype)

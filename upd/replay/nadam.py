@@ -15,23 +15,23 @@ from __future__ import annotations
 
 import torch
 
-from .registry import NotReplayable, Replayed, register
+from .registry import Replayed, register, require, scalar
 
 
-def _step_scalar(step, float32):
+def _stepscalar(step, float32):
     return torch.tensor(float(step), dtype=torch.float32) if float32 else step
 
 
 def momentum_schedule(step, beta1, momentum_decay, *, float32=False):
     """NAdam's mu_t = beta1 * (1 - 0.5 * 0.96 ** (t * momentum_decay)), in Python double or (capturable paths) in
     float32 tensor arithmetic on the step counter."""
-    t = _step_scalar(step, float32)
+    t = _stepscalar(step, float32)
     return float(beta1 * (1.0 - 0.5 * (0.96 ** (t * momentum_decay))))
 
 
 def beta_power(beta, step, *, float32=False):
     """beta ** step in Python double, or (capturable paths) as torch's float32 tensor power of the step counter."""
-    return float(beta ** _step_scalar(step, float32))
+    return float(beta ** _stepscalar(step, float32))
 
 
 def nadam_step(param, grad, exp_avg, exp_avg_sq, mu_product, step, *, lr, beta1, beta2, eps, weight_decay,
@@ -59,16 +59,10 @@ def nadam_step(param, grad, exp_avg, exp_avg_sq, mu_product, step, *, lr, beta1,
     return param, exp_avg, exp_avg_sq, mu_product, step
 
 
-def _scalar(value) -> float:
-    return float(value[0] if isinstance(value, list) else value)
-
-
 @register(torch.optim.NAdam)
 def nadam(param, grad, state, group, step):
     if state:
-        missing = [k for k in ("exp_avg", "exp_avg_sq", "mu_product", "step") if k not in state]
-        if missing:
-            raise NotReplayable(f"state lacks {', '.join(missing)}")
+        require(state, ("exp_avg", "exp_avg_sq", "mu_product", "step"))
         exp_avg, exp_avg_sq = state["exp_avg"], state["exp_avg_sq"]
         mu_product = float(state["mu_product"])
         done = int(round(float(state["step"])))
@@ -77,8 +71,8 @@ def nadam(param, grad, state, group, step):
         mu_product, done = 1.0, 0
     beta1, beta2 = group["betas"]
     new_param, m, v, new_mu_product, new_step = nadam_step(
-        param, grad, exp_avg, exp_avg_sq, mu_product, done, lr=_scalar(group["lr"]), beta1=_scalar(beta1),
-        beta2=_scalar(beta2), eps=group["eps"], weight_decay=group.get("weight_decay", 0),
+        param, grad, exp_avg, exp_avg_sq, mu_product, done, lr=scalar(group["lr"]), beta1=scalar(beta1),
+        beta2=scalar(beta2), eps=group["eps"], weight_decay=group.get("weight_decay", 0),
         momentum_decay=group.get("momentum_decay", 4e-3),
         decoupled_weight_decay=bool(group.get("decoupled_weight_decay", False)),
         maximize=group.get("maximize", False), capturable=bool(group.get("capturable", False)))

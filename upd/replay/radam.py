@@ -22,23 +22,23 @@ from __future__ import annotations
 
 import torch
 
-from .registry import NotReplayable, Replayed, register
+from .registry import Replayed, register, require, scalar
 
 
-def _step_scalar(step, float32):
+def _stepscalar(step, float32):
     return torch.tensor(float(step), dtype=torch.float32) if float32 else step
 
 
 def beta_power(beta, step, *, float32=False):
     """beta ** step in Python double, or (capturable paths) as torch's float32 tensor power of the step counter."""
-    return float(beta ** _step_scalar(step, float32))
+    return float(beta ** _stepscalar(step, float32))
 
 
 def rho(step, beta2, *, float32=False):
     """(rho_inf, rho_t) for the step-th step (1-based), as torch computes them: in Python double, or (capturable)
     as float32 tensor arithmetic on the float32 step counter."""
     rho_inf = 2 / (1 - beta2) - 1
-    t = _step_scalar(step, float32)
+    t = _stepscalar(step, float32)
     return rho_inf, float(rho_inf - 2 * t * (beta2**t) / (1 - beta2**t))
 
 
@@ -76,16 +76,10 @@ def radam_step(param, grad, exp_avg, exp_avg_sq, step, *, lr, beta1, beta2, eps,
     return param, exp_avg, exp_avg_sq, step
 
 
-def _scalar(value) -> float:
-    return float(value[0] if isinstance(value, list) else value)
-
-
 @register(torch.optim.RAdam)
 def radam(param, grad, state, group, step):
     if state:
-        missing = [k for k in ("exp_avg", "exp_avg_sq", "step") if k not in state]
-        if missing:
-            raise NotReplayable(f"state lacks {', '.join(missing)}")
+        require(state, ("exp_avg", "exp_avg_sq", "step"))
         exp_avg, exp_avg_sq = state["exp_avg"], state["exp_avg_sq"]
         done = int(round(float(state["step"])))
     else:  # first step: torch initialises both moments to zero
@@ -94,8 +88,8 @@ def radam(param, grad, state, group, step):
     beta1, beta2 = group["betas"]
     differentiable = bool(group.get("differentiable", False))
     new_param, m, v, new_step = radam_step(
-        param, grad, exp_avg, exp_avg_sq, done, lr=_scalar(group["lr"]), beta1=_scalar(beta1),
-        beta2=_scalar(beta2), eps=group["eps"], weight_decay=group.get("weight_decay", 0),
+        param, grad, exp_avg, exp_avg_sq, done, lr=scalar(group["lr"]), beta1=scalar(beta1),
+        beta2=scalar(beta2), eps=group["eps"], weight_decay=group.get("weight_decay", 0),
         decoupled_weight_decay=bool(group.get("decoupled_weight_decay", False)),
         maximize=group.get("maximize", False),
         # differentiable=True runs the for-loop (torch's foreach path raises for it)

@@ -24,6 +24,18 @@ class NotReplayable(Exception):
     """The record does not hold what this rule needs; the message says what."""
 
 
+def scalar(value) -> float:
+    """A hyperparameter as a float: tensor hyperparameters arrive as [value] lists or floats."""
+    return float(value[0] if isinstance(value, list) else value)
+
+
+def require(state: dict, keys) -> None:
+    """Raise NotReplayable naming the state keys a rule needs that the record lacks."""
+    missing = [k for k in keys if k not in state]
+    if missing:
+        raise NotReplayable(f"state lacks {', '.join(missing)}")
+
+
 @dataclass
 class Replayed:
     param: torch.Tensor

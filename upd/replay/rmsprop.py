@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from .registry import NotReplayable, Replayed, register
+from .registry import Replayed, register, require, scalar
 
 
 def rmsprop_step(param, grad, square_avg, grad_avg, momentum_buffer, step, *, lr, alpha, eps, weight_decay,
@@ -41,20 +41,14 @@ def rmsprop_step(param, grad, square_avg, grad_avg, momentum_buffer, step, *, lr
     return param, square_avg, grad_avg, momentum_buffer, step
 
 
-def _scalar(value) -> float:
-    return float(value[0] if isinstance(value, list) else value)
-
-
 @register(torch.optim.RMSprop)
 def rmsprop(param, grad, state, group, step):
-    momentum = _scalar(group.get("momentum", 0))
+    momentum = scalar(group.get("momentum", 0))
     centered = bool(group.get("centered", False))
     needed = ("square_avg", "step") + (("momentum_buffer",) if momentum > 0 else ()) + \
         (("grad_avg",) if centered else ())
     if state:
-        missing = [k for k in needed if k not in state]
-        if missing:
-            raise NotReplayable(f"state lacks {', '.join(missing)}")
+        require(state, needed)
         done = int(round(float(state["step"])))
         square_avg, grad_avg, buf = state["square_avg"], state.get("grad_avg"), state.get("momentum_buffer")
     else:  # first step: torch initialises every buffer to zero
@@ -63,8 +57,8 @@ def rmsprop(param, grad, state, group, step):
         grad_avg = torch.zeros_like(param) if centered else None
         buf = torch.zeros_like(param) if momentum > 0 else None
     new_param, sq, gavg, new_buf, new_step = rmsprop_step(
-        param, grad, square_avg, grad_avg, buf, done, lr=_scalar(group["lr"]), alpha=_scalar(group["alpha"]),
-        eps=_scalar(group["eps"]), weight_decay=_scalar(group.get("weight_decay", 0.0)), momentum=momentum,
+        param, grad, square_avg, grad_avg, buf, done, lr=scalar(group["lr"]), alpha=scalar(group["alpha"]),
+        eps=scalar(group["eps"]), weight_decay=scalar(group.get("weight_decay", 0.0)), momentum=momentum,
         centered=centered, maximize=group.get("maximize", False))
     new_state = {"step": torch.tensor(float(new_step), dtype=torch.float64), "square_avg": sq}
     if gavg is not None:

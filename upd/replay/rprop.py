@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from .registry import NotReplayable, Replayed, register
+from .registry import Replayed, register, require, scalar
 
 _NARROW = (torch.float16, torch.bfloat16, torch.float32)
 
@@ -42,24 +42,18 @@ def rprop_step(param, grad, prev, step_size, step, *, etaminus, etaplus, step_si
     return param - grad.sign() * step_size, grad, step_size, step
 
 
-def _scalar(value) -> float:
-    return float(value[0] if isinstance(value, list) else value)
-
-
 @register(torch.optim.Rprop)
 def rprop(param, grad, state, group, step):
     if state:
-        missing = [k for k in ("prev", "step_size", "step") if k not in state]
-        if missing:
-            raise NotReplayable(f"state lacks {', '.join(missing)}")
+        require(state, ("prev", "step_size", "step"))
         prev, step_size = state["prev"], state["step_size"]
         done = int(round(float(state["step"])))
     else:  # first step: prev = 0, every step size = the group's lr (the only use of lr)
         prev = torch.zeros_like(param)
-        step_size = torch.full_like(param, _scalar(group["lr"]))
+        step_size = torch.full_like(param, scalar(group["lr"]))
         done = 0
-    etaminus, etaplus = (_scalar(e) for e in group["etas"])
-    step_size_min, step_size_max = (_scalar(s) for s in group["step_sizes"])
+    etaminus, etaplus = (scalar(e) for e in group["etas"])
+    step_size_min, step_size_max = (scalar(s) for s in group["step_sizes"])
     new_param, new_prev, new_step_size, new_step = rprop_step(
         param, grad, prev, step_size, done, etaminus=etaminus, etaplus=etaplus, step_size_min=step_size_min,
         step_size_max=step_size_max, maximize=group.get("maximize", False))

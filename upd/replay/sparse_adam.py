@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from .registry import NotReplayable, Replayed, register
+from .registry import Replayed, register, require, scalar
 
 
 def present_rows(grad: torch.Tensor) -> torch.Tensor:
@@ -46,23 +46,17 @@ def sparse_adam_step(param, grad, exp_avg, exp_avg_sq, step, rows, *, lr, beta1,
     return param.reshape(shape), exp_avg.reshape(shape), exp_avg_sq.reshape(shape), step
 
 
-def _scalar(value) -> float:
-    return float(value[0] if isinstance(value, list) else value)
-
-
 @register(torch.optim.SparseAdam)
 def sparse_adam(param, grad, state, group, step):
     if state:
-        missing = [k for k in ("exp_avg", "exp_avg_sq", "step") if k not in state]
-        if missing:
-            raise NotReplayable(f"state lacks {', '.join(missing)}")
+        require(state, ("exp_avg", "exp_avg_sq", "step"))
         exp_avg, exp_avg_sq = state["exp_avg"], state["exp_avg_sq"]
         done = int(round(float(state["step"])))
     else:  # first step: torch initialises the moments to zero
         exp_avg, exp_avg_sq, done = torch.zeros_like(param), torch.zeros_like(param), 0
     beta1, beta2 = group["betas"]
     new_param, m, v, new_step = sparse_adam_step(
-        param, grad, exp_avg, exp_avg_sq, done, present_rows(grad), lr=_scalar(group["lr"]), beta1=_scalar(beta1),
-        beta2=_scalar(beta2), eps=group["eps"], maximize=group.get("maximize", False))
+        param, grad, exp_avg, exp_avg_sq, done, present_rows(grad), lr=scalar(group["lr"]), beta1=scalar(beta1),
+        beta2=scalar(beta2), eps=group["eps"], maximize=group.get("maximize", False))
     return Replayed(new_param, {"step": torch.tensor(float(new_step), dtype=torch.float64), "exp_avg": m,
                                 "exp_avg_sq": v})
