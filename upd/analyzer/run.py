@@ -174,23 +174,27 @@ class _Validator:
     def attr(self, obj, name: str, where: str):
         """obj.attrs[name] (KeyError when absent), after checking the lengths its stored strings claim: HDF5
         allocates what they claim before reading them."""
-        if self.raw is not None:
-            with self.reading(f"{where} attribute {name!r}"):
-                lengths = self.raw.attribute_vlen_lengths(h5py.h5o.get_info(obj.id).addr)
-            claimed = max((lengths or {}).get(name) or [0])
-            if claimed > fmt.MAX_META_BYTES:
-                raise self.fail(where, f"attribute {name!r} claims a string of {claimed} bytes (the limit is "
-                                       f"{fmt.MAX_META_BYTES})")
+        found = None
         with self.reading(f"{where} attribute {name!r}"):
-            try:
-                shape = obj.attrs.get_id(name).shape  # the attribute's header only
-            except KeyError:
-                shape = False
-            if shape is not False and not (shape is None or int(np.prod(shape, dtype=object)) <= 1):
-                raise self.fail(where, f"attribute {name!r} has shape {shape}, expected a single value")
-            if shape is not False:
-                return obj.attrs[name]
-        raise KeyError(name)  # absent (raised outside reading(), which would make it a RunFileError)
+            stored = None if self.raw is None else self.raw.attributes(h5py.h5o.get_info(obj.id).addr)
+            if stored is None:  # not parsed: ask HDF5 for the attribute's header
+                try:
+                    shape = obj.attrs.get_id(name).shape
+                    found = (1 if shape is None else _product(shape)), []
+                except KeyError:
+                    pass
+            else:
+                found = stored.get(name)
+        if found is None:
+            raise KeyError(name)  # absent (raised outside reading(), which would make it a RunFileError)
+        count, lengths = found
+        if count > 1:
+            raise self.fail(where, f"attribute {name!r} holds {count} values, expected a single one")
+        if lengths and max(lengths) > fmt.MAX_META_BYTES:
+            raise self.fail(where, f"attribute {name!r} claims a string of {max(lengths)} bytes (the limit is "
+                                   f"{fmt.MAX_META_BYTES})")
+        with self.reading(f"{where} attribute {name!r}"):
+            return obj.attrs[name]
 
     def vlen_rows(self, ds: h5py.Dataset, rows: range, where: str) -> None:
         """Before HDF5 reads strings `rows` of ds: refuse lengths it would allocate that no valid run has."""
@@ -307,6 +311,13 @@ def _link_type(group: h5py.Group, name: str) -> int | None:
         if kind != h5py.h5l.TYPE_HARD or i == len(parts):
             return kind
     return None
+
+
+def _product(values) -> int:
+    out = 1
+    for v in values:
+        out *= int(v)
+    return out
 
 
 def _is_utf8(text: str) -> bool:
@@ -767,10 +778,10 @@ class _GuardedFile:
                        int.from_bytes(self._pread(4, info.byte_offset + (r - first) * step), "little"))
         return out
 
-    def attribute_vlen_lengths(self, header_addr: int) -> dict[str, list[int]] | None:
-        """{attribute name: stored lengths of its variable-length elements} for the attributes kept in the object
-        header at header_addr (HDF5's compact attribute storage). None when the header is not laid out that way
-        (dense attribute storage, an unknown version): HDF5 is then left to read them unchecked."""
+    def attributes(self, header_addr: int) -> dict[str, tuple[int, list[int]]] | None:
+        """{attribute name: (number of elements, stored lengths of its variable-length elements)} for the attributes
+        kept in the object header at header_addr (HDF5's compact attribute storage). None when the header is not
+        laid out that way (dense attribute storage, an unknown version): HDF5 is then left to read them unchecked."""
         if header_addr in self._attr_cache:
             return self._attr_cache[header_addr]
         try:
@@ -785,7 +796,7 @@ class _GuardedFile:
             raise ValueError("a stored block lies outside the file")
         return os.pread(self._fd, size, at)
 
-    def _parse_object_header(self, addr: int) -> dict[str, list[int]] | None:
+    def _parse_object_header(self, addr: int) -> dict[str, tuple[int, list[int]]] | None:
         o, n = self._offset_size, self._length_size
         head = self._pread(16, addr)
         blocks = []  # (start, end, message header size, creation-order flag known per message)
@@ -803,7 +814,7 @@ class _GuardedFile:
             blocks.append((addr + 16, addr + 16 + size, 1, 0))
         else:
             return None
-        out: dict[str, list[int]] = {}
+        out: dict[str, tuple[int, list[int]]] = {}
         seen = 0
         while blocks:
             start, end, version, order = blocks.pop()
@@ -843,14 +854,15 @@ class _GuardedFile:
                     if heap != b"\xff" * o:
                         return None  # the attributes live in the fractal heap, not in this header
                 elif mtype == 0x000C:
-                    name, lengths = self._attribute_message(message)
+                    name, count, lengths = self._attribute_message(message)
                     if name is not None:
-                        out[name] = lengths
+                        out[name] = (count, lengths)
                 p = body + msize
         return out
 
-    def _attribute_message(self, m: bytes) -> tuple[str | None, list[int]]:
-        """(name, stored variable-length element lengths) of an attribute message; ([], for fixed-size data)."""
+    def _attribute_message(self, m: bytes) -> tuple[str | None, int, list[int]]:
+        """(name, number of elements, their stored variable-length lengths) of an attribute message (no lengths for
+        fixed-size data); name None when the message describes its type elsewhere (shared) or is unknown."""
         version, flags = m[0], m[1]
         name_size = int.from_bytes(m[2:4], "little")
         dt_size = int.from_bytes(m[4:6], "little")
@@ -866,7 +878,7 @@ class _GuardedFile:
             p += pad(ds_size)
         elif version in (2, 3):
             if flags & 0x03:  # shared datatype or dataspace: not described here
-                return None, []
+                return None, 0, []
             p = 8 if version == 2 else 9
             name = m[p:p + name_size]
             p += name_size
@@ -875,13 +887,12 @@ class _GuardedFile:
             ds = m[p:p + ds_size]
             p += ds_size
         else:
-            return None, []
+            return None, 0, []
         name = name.split(b"\0", 1)[0].decode("utf-8", "replace")
-        if not dt or dt[0] & 0x0F != 9:  # not variable-length
-            return name, []
         count = self._dataspace_elements(ds)
-        step = self.vlen_ref_size()
-        return name, self.vlen_lengths(m[p:p + count * step])
+        if not dt or dt[0] & 0x0F != 9:  # not variable-length
+            return name, count, []
+        return name, count, self.vlen_lengths(m[p:p + min(count, 1 << 20) * self.vlen_ref_size()])
 
     def _dataspace_elements(self, ds: bytes) -> int:
         version, rank = ds[0], ds[1]
