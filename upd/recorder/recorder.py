@@ -629,9 +629,12 @@ class Recorder:
                 finally:
                     self._writer.close()
             except Exception as exc:
+                # With the writer thread, a write error can surface only here: it is this run's error all the same.
+                self.error = exc
                 if self.strict:
                     raise
-                warnings.warn(f"torch-upd: closing {self.path} failed: {exc}", RecorderWarning, stacklevel=2)
+                warnings.warn(f"torch-upd: recording to {self.path} stopped ({type(exc).__name__}: {exc}); "
+                              "what was committed before stays readable.", RecorderWarning, stacklevel=2)
 
     def __enter__(self) -> "Recorder":
         return self
