@@ -432,7 +432,8 @@ class ParamRecord:
         return int(hits[0]) if len(hits) else None
 
     def _reading(self, what: str) -> _Reading:
-        return _Reading(self.optimizer.run.path, f"{what} of parameter {self.name!r} (optimizer {self.optimizer.index})")
+        return _Reading(self.optimizer.run.path,
+                        f"{what} of parameter {self.name!r} (optimizer {self.optimizer.index})")
 
     def _decode(self, ds: h5py.Dataset, rows, torch_dtype: str | None) -> torch.Tensor:
         return fmt.numpy_to_tensor(ds[rows], torch_dtype or "float32")
