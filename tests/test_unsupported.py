@@ -93,3 +93,53 @@ def test_complex_parameters_are_recorded_and_not_falsely_verified(tmp_path):
     report = upd.verify(path)
     assert report.exit_code == 3 and report.mismatched == 0  # refused with its reason, never a false fail
     assert "complex" in report.checks["note"].iloc[0]
+
+
+def test_missing_folders_are_created(tmp_path):
+    model = nn.Linear(3, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    path = tmp_path / "runs" / "exp1" / "run.h5"  # the README's first example records into runs/
+    with upd.record(str(path), model, opt):
+        model(torch.randn(2, 3)).sum().backward()
+        opt.step()
+    assert upd.open_run(str(path)).optimizers[0].num_records == 1
+
+
+def test_permission_denied_warns_and_training_goes_on(tmp_path, monkeypatch):
+    import h5py
+
+    def denied(*args, **kwargs):  # root bypasses chmod here, so the refusal is injected where the file opens
+        raise PermissionError(13, "Permission denied", str(tmp_path / "run.h5"))
+
+    monkeypatch.setattr(h5py, "File", denied)
+    model = nn.Linear(3, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with upd.record(str(tmp_path / "run.h5"), model, opt) as rec:
+            for _ in range(3):
+                opt.zero_grad()
+                model(torch.randn(2, 3)).sum().backward()
+                opt.step()
+    warned = [w for w in caught if issubclass(w.category, upd.RecorderWarning)]
+    assert len(warned) == 1 and "Permission denied" in str(warned[0].message)
+    assert isinstance(rec.error, PermissionError) and not opt._optimizer_step_pre_hooks
+    with pytest.raises(PermissionError):
+        upd.record(str(tmp_path / "run.h5"), model, opt, strict=True)
+
+
+def test_run_file_deleted_while_recording(tmp_path):
+    import os
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 4))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    path = str(tmp_path / "run.h5")
+
+    def delete(step):
+        if step == 3:
+            os.remove(path)
+
+    rec, warned = record_and_count_warnings(path, model, opt, 6, between=delete)
+    assert len(warned) == 1 and "deleted or replaced" in str(warned[0].message)
+    assert rec.error is not None

@@ -211,8 +211,19 @@ class Recorder:
             raise ValueError("pass overwrite=True or resume=True, not both")
         # HDF5 writes happen on a writer thread behind a queue of 2 records: training waits only when the disk is
         # slower than training (../shared/notes: +5% instead of +24% inline).
-        self._writer = AsyncRunWriter(self.path, meta, overwrite=overwrite, storage_dtype=dtype,
-                                      compression=compression, resume=resume, max_pending=2)
+        try:
+            self._writer = AsyncRunWriter(self.path, meta, overwrite=overwrite, storage_dtype=dtype,
+                                          compression=compression, resume=resume, max_pending=2)
+        except FileExistsError:
+            raise  # refusing to overwrite is the answer the user asked for
+        except OSError as exc:  # permission denied, read-only or full filesystem: never stop the training
+            self.error = exc
+            if strict:
+                raise
+            warnings.warn(f"torch-upd: cannot record to {self.path} ({type(exc).__name__}: {exc}); training "
+                          "continues without recording. Pass strict=True to raise instead.", RecorderWarning,
+                          stacklevel=3)
+            return
         try:
             for i, opt in enumerate(optimizers):
                 opt_meta = {

@@ -76,6 +76,8 @@ class RunWriter:
             self._reopen(meta)
             return
         mode = "w" if overwrite else "w-"
+        parent = os.path.dirname(os.path.abspath(self.path))
+        os.makedirs(parent, exist_ok=True)  # upd.record("runs/exp1.h5", ...) creates runs/
         try:
             self.file = h5py.File(self.path, mode)
         except FileExistsError:
@@ -85,10 +87,22 @@ class RunWriter:
         self.file.attrs[fmt.ATTR_META] = fmt.to_json(meta)
         self.file.create_group("optimizers")
         self.file.flush()
+        self._inode = os.stat(self.path).st_ino
+
+    def _check_still_there(self) -> None:
+        """A run file deleted or replaced under the writer would take every later record with it, silently."""
+        try:
+            same = os.stat(self.path).st_ino == self._inode
+        except FileNotFoundError:
+            same = False
+        if not same:
+            raise OSError(errno.ENOENT, f"{self.path} was deleted or replaced while recording; nothing more is "
+                                        "written to it")
 
     def _reopen(self, meta: dict) -> None:
         """Append to an existing run: drop rows of a record that was never committed (a crash mid-step)."""
         self.file = h5py.File(self.path, "r+")
+        self._inode = os.stat(self.path).st_ino
         if self.file.attrs.get(fmt.ATTR_FORMAT) != fmt.FORMAT_NAME or \
                 self.file.attrs.get(fmt.ATTR_VERSION) != fmt.FORMAT_VERSION:
             self.file.close()
@@ -220,6 +234,7 @@ class RunWriter:
 
     def write(self, rec: RecordSnapshot) -> None:
         """Write one step (full tensors, statistics, or both) with the commit protocol."""
+        self._check_still_there()
         self._check_space(rec)
         if rec.full:
             self._write_full(rec)
