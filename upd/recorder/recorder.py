@@ -193,6 +193,7 @@ class Recorder:
         self._backward_counts: dict[int, int] = {}
         self._hooked_params: set[int] = set()
         self._names: list[dict[int, str]] = [dict() for _ in optimizers]
+        self._layouts: dict[int, tuple] = {}  # parameter ids when names were last assigned
 
         meta = {
             "upd_version": __version__,
@@ -403,10 +404,15 @@ class Recorder:
     def _before_step(self, opt_index: int, optimizer: torch.optim.Optimizer, closure_step: bool = False) -> None:
         self._pending.pop(opt_index, None)  # a step that raised never reached its post-hook
         step = self._steps_done[opt_index]
-        for g, group in enumerate(optimizer.param_groups):
-            for i, p in enumerate(group["params"]):
-                self._param_name(opt_index, g, i, p, group)
-                self._hook_backward_counter(p)
+        # Names and backward counters only change when parameters do (add_param_group, a swapped tensor): a tuple
+        # of ids is far cheaper than naming and hooking every parameter again at every step.
+        layout = tuple(id(p) for group in optimizer.param_groups for p in group["params"])
+        if self._layouts.get(opt_index) != layout:
+            for g, group in enumerate(optimizer.param_groups):
+                for i, p in enumerate(group["params"]):
+                    self._param_name(opt_index, g, i, p, group)
+                    self._hook_backward_counter(p)
+            self._layouts[opt_index] = layout
         selected = self.every is not None and step % self.every == 0
         full = selected or self.flight_recorder is not None  # the flight recorder keeps every step in memory
         with_stats = self.stats_every is not None and step % self.stats_every == 0
