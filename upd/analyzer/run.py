@@ -15,6 +15,7 @@ import pandas as pd
 import torch
 
 from .. import format as fmt
+from .. import livelock
 
 
 class RunFileError(Exception):
@@ -694,8 +695,8 @@ class _GuardedFile:
 
     _GCOL = b"GCOL"
 
-    def __init__(self, path: str):
-        self._fd = os.open(path, os.O_RDONLY | getattr(os, "O_BINARY", 0))
+    def __init__(self, path: str, fd: int | None = None):
+        self._fd = os.open(path, os.O_RDONLY | getattr(os, "O_BINARY", 0)) if fd is None else fd
         self._pos = 0
         self._size = os.fstat(self._fd).st_size
         self._checked: set[int] = set()
@@ -952,11 +953,26 @@ def _close_open_runs() -> None:
 class Run:
     """A recorded run. ``upd.open_run(path)`` opens one; use it as a context manager or call ``close()``."""
 
-    def __init__(self, path):
+    def __init__(self, path, live_timeout: float | None = None):
         self.path = os.fspath(path)
         _check_path(self.path)
+        self.live = False  # True: a writer had the file open, and this reads a copy taken between two records
         try:
-            self._raw = _GuardedFile(self.path)
+            fd = os.open(self.path, os.O_RDONLY | getattr(os, "O_BINARY", 0))
+            if livelock.writer_present(fd):
+                self.live, live_fd = True, fd
+                try:
+                    fd = livelock.snapshot(live_fd, timeout=_live_timeout(live_timeout))
+                except (OSError, TimeoutError, RuntimeError) as exc:
+                    raise RunFileError(f"{self.path}: being written, and no complete copy of it could be taken "
+                                       f"({_problem(exc)})") from None
+                finally:
+                    os.close(live_fd)
+            try:
+                self._raw = _GuardedFile(self.path, fd)
+            except OSError:
+                os.close(fd)
+                raise
         except OSError as exc:
             raise RunFileError(f"{self.path}: cannot open ({_problem(exc)})") from None
         try:
@@ -1066,7 +1082,9 @@ class Run:
 
     @property
     def size_bytes(self) -> int:
-        return os.path.getsize(self.path)
+        """Bytes read: the file's size, or the copy's for a run being written."""
+        raw = getattr(self, "_raw", None)
+        return raw._size if raw is not None else os.path.getsize(self.path)
 
     def describe(self) -> dict:
         """What the file holds, as plain data (what `upd info` prints)."""
@@ -1091,7 +1109,7 @@ class Run:
                     "group": meta.get("group"), "rows": 0, "kinds": [], "state": [], "stored_as": None}
                    for name, meta in stats_meta.items() if name not in opt.params],
             })
-        return {"path": self.path, "size_bytes": self.size_bytes, "format_version": self.format_version,
+        return {"path": self.path, "live": self.live, "size_bytes": self.size_bytes, "format_version": self.format_version,
                 "torch_version": self.torch_version, "upd_version": self.meta.get("upd_version"),
                 "created_unix": self.meta.get("created_unix"), "options": self.options,
                 "params_not_optimized": self.params_not_optimized, "optimizers": optimizers}
@@ -1169,7 +1187,22 @@ class Run:
         return f"<upd.Run {self.path!r}: " + ", ".join(repr(o) for o in self.optimizers) + ">"
 
 
-def open_run(path) -> Run:
-    """Open a recorded run for reading. Raises RunFileError (one clear line) for anything that is not a usable run."""
-    return Run(path)
+def _live_timeout(given: float | None) -> float:
+    if given is not None:
+        return float(given)
+    try:
+        return float(os.environ.get("UPD_LIVE_TIMEOUT", "30"))
+    except ValueError:
+        return 30.0
+
+
+def open_run(path, live_timeout: float | None = None) -> Run:
+    """Open a recorded run for reading. Raises RunFileError (one clear line) for anything that is not a usable run.
+
+    A run that is still being written is read from a copy taken between two records (``run.live`` is True): it
+    holds every record committed so far and never a half-written one. Waiting for the writer to finish the record
+    in progress is bounded by `live_timeout` seconds (default: $UPD_LIVE_TIMEOUT, else 30). The copy lives in the temporary folder (``TMPDIR``) until
+    the run is closed.
+    """
+    return Run(path, live_timeout=live_timeout)
 

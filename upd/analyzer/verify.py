@@ -70,6 +70,7 @@ class VerifyReport:
     problems: list = field(default_factory=list)  # why whole optimizers could not be checked
     precision_notes: list = field(default_factory=list)  # limits set by reduced-precision storage
     params_not_optimized: list = field(default_factory=list)  # model parameters no recorded optimizer holds
+    live: bool = False  # the run was being written: these are the records committed when it was opened
 
     @property
     def matched(self) -> int:
@@ -115,6 +116,8 @@ class VerifyReport:
     def summary(self) -> str:
         lines = [f"{self.path}: {self.matched} step-parameter checks matched, {self.mismatched} mismatched, "
                  f"{self.skipped} skipped"]
+        if self.live:
+            lines.append("  the run is being written: checked the records committed when it was opened")
         lines += [f"  {p}" for p in self.problems]
         if self.params_not_optimized:
             lines.append("  model parameters in no recorded optimizer (never updated): "
@@ -145,7 +148,7 @@ def verify(run, *, rtol: float | None = None, ulps: float | None = None) -> Veri
             _verify_optimizer(run, opt, rtol, ulps, rows, problems, notes)
         checks = pd.DataFrame(rows, columns=CHECK_COLUMNS)
         return VerifyReport(path=os.fspath(run.path), checks=checks, problems=problems, precision_notes=notes,
-                            params_not_optimized=list(run.params_not_optimized))
+                            params_not_optimized=list(run.params_not_optimized), live=run.live)
     finally:
         if own:
             run.close()

@@ -61,6 +61,9 @@ def main():
       upd analyze RUN    update:data and grad:data ratios, summary, plots
       upd verify RUN     replay the optimizer's math against the recorded updates
       upd demo           train a small character-level model, record, analyze, verify
+
+    RUN may still be being written: the commands then read a copy taken between two records, holding every
+    record committed so far (see docs/format.md, "Live reading").
     """
 
 
@@ -76,7 +79,8 @@ def info(run, as_json):
         return
     created = desc["created_unix"]
     when = datetime.fromtimestamp(created, timezone.utc).strftime("%Y-%m-%d %H:%M UTC") if created else "?"
-    click.echo(f"{desc['path']}: torch-upd run, format v{desc['format_version']}, {desc['size_bytes'] / 1e6:.2f} MB")
+    click.echo(f"{desc['path']}: torch-upd run, format v{desc['format_version']}, {desc['size_bytes'] / 1e6:.2f} MB"
+               + (", being written (this shows the records committed so far)" if desc["live"] else ""))
     click.echo(f"  recorded {when} with torch {desc['torch_version']}, upd {desc['upd_version']}")
     opts = desc["options"]
     click.echo(f"  options: every={opts.get('every')} stats_every={opts.get('stats_every')} what={','.join(opts.get('what', []))} "
@@ -139,6 +143,8 @@ def analyze(run, out_dir, csv_path, high, low, hist_step, all_params, no_plots, 
     except ValueError as exc:
         _fail(str(exc))
     with open_run(run) as r:
+        if r.live:
+            click.echo(f"{run}: being written; analyzing the records committed so far\n")
         if out_dir is None and not no_plots:
             out_dir = os.path.splitext(run)[0] + "-analysis"
         result = analyze_run(r, None if no_plots else out_dir, thresholds=thresholds, hist_step=hist_step,
@@ -193,7 +199,7 @@ def verify(run, rtol, ulps, as_json, csv_path, rule_modules):
         report.checks.to_csv(csv_path, index=False)
     if as_json:
         by_param = report.by_param()
-        click.echo(json.dumps({"path": report.path, "exit_code": report.exit_code, "matched": report.matched,
+        click.echo(json.dumps({"path": report.path, "live": report.live, "exit_code": report.exit_code, "matched": report.matched,
                                "mismatched": report.mismatched, "skipped": report.skipped,
                                "problems": report.problems, "precision_notes": report.precision_notes,
                                "params_not_optimized": report.params_not_optimized,

@@ -3,6 +3,9 @@
 Commit protocol (measured to survive SIGKILL, see ../shared/notes/hdf5-measurements.md and docs/format.md): all rows
 of a record are written and flushed first; only then is the record's entry appended to the optimizer's
 ``records/step`` dataset and the file flushed again. Readers trust ``len(records/step)`` and nothing beyond it.
+
+Live reading: every change to the file happens between ``self._locks.begin()`` and the ``end()`` that follows its
+flush (``upd/livelock.py``), so a reader that copies the file outside those spans copies a complete run.
 """
 from __future__ import annotations
 
@@ -16,6 +19,7 @@ import numpy as np
 import torch
 
 from .. import format as fmt
+from ..livelock import WriterLocks
 
 try:
     import resource  # POSIX: the file-size limit counts as space
@@ -82,12 +86,26 @@ class RunWriter:
             self.file = h5py.File(self.path, mode)
         except FileExistsError:
             raise FileExistsError(f"{self.path} exists; pass overwrite=True to replace it") from None
+        self._lock_file()
         self.file.attrs[fmt.ATTR_FORMAT] = fmt.FORMAT_NAME
         self.file.attrs[fmt.ATTR_VERSION] = fmt.FORMAT_VERSION
         self.file.attrs[fmt.ATTR_META] = fmt.to_json(meta)
         self.file.create_group("optimizers")
-        self.file.flush()
+        self._flushed()
         self._inode = os.stat(self.path).st_ino
+
+    def _lock_file(self) -> None:
+        try:
+            self._locks = WriterLocks(self.path)
+        except OSError:
+            self.file.close()
+            raise
+        self._locks.begin()
+
+    def _flushed(self) -> None:
+        """Flush; the file is a complete run again, and live readers may copy it."""
+        self.file.flush()
+        self._locks.end()
 
     def _check_still_there(self) -> None:
         """A run file deleted or replaced under the writer would take every later record with it, silently."""
@@ -102,10 +120,12 @@ class RunWriter:
     def _reopen(self, meta: dict) -> None:
         """Append to an existing run: drop rows of a record that was never committed (a crash mid-step)."""
         self.file = h5py.File(self.path, "r+")
+        self._lock_file()
         self._inode = os.stat(self.path).st_ino
         if self.file.attrs.get(fmt.ATTR_FORMAT) != fmt.FORMAT_NAME or \
                 self.file.attrs.get(fmt.ATTR_VERSION) != fmt.FORMAT_VERSION:
             self.file.close()
+            self._locks.close()
             raise ValueError(f"{self.path}: cannot resume: not a torch-upd run of format version {fmt.FORMAT_VERSION}")
         if "closed_cleanly" in self.file.attrs:
             del self.file.attrs["closed_cleanly"]
@@ -130,7 +150,7 @@ class RunWriter:
                 for name in ("wall_time", "lr", "values"):
                     if name in opt["stats"] and opt["stats"][name].shape[0] > rows:
                         opt["stats"][name].resize(rows, axis=0)
-        self.file.flush()
+        self._flushed()
 
     def optimizer_meta(self, index: int) -> dict | None:
         """The stored metadata of optimizer `index`, or None when the run has no such optimizer."""
@@ -150,6 +170,7 @@ class RunWriter:
     def add_optimizer(self, index: int, meta: dict) -> None:
         if str(index) in self.file["optimizers"]:  # resuming: the optimizer's structure is there already
             return
+        self._locks.begin()
         grp = self.file["optimizers"].create_group(str(index))
         grp.attrs[fmt.ATTR_META] = fmt.to_json(meta)
         rec = grp.create_group("records")
@@ -163,7 +184,7 @@ class RunWriter:
                            chunks=(256,))
         grp.create_group("params")
         self._records_written[index] = 0
-        self.file.flush()
+        self._flushed()
 
     def _param_group(self, optimizer: int, snap: ParamSnapshot) -> h5py.Group:
         params = self.file["optimizers"][str(optimizer)]["params"]
@@ -236,6 +257,7 @@ class RunWriter:
         """Write one step (full tensors, statistics, or both) with the commit protocol."""
         self._check_still_there()
         self._check_space(rec)
+        self._locks.begin()
         if rec.full:
             self._write_full(rec)
         if rec.stats is not None:
@@ -249,7 +271,7 @@ class RunWriter:
         if rec.stats is not None:
             stats = self.file["optimizers"][str(rec.optimizer)]["stats"]
             self._append(stats["step"], stats["step"].shape[0], rec.step)
-        self.file.flush()
+        self._flushed()
 
     def _stats_group(self, optimizer: int) -> h5py.Group:
         opt = self.file["optimizers"][str(optimizer)]
@@ -364,15 +386,18 @@ class RunWriter:
 
     def add_dump(self, info: dict) -> None:
         """Append a flight-recorder dump (reason, trigger step, steps written) to /flight_dumps."""
+        self._locks.begin()
         if "flight_dumps" not in self.file:
             self.file.create_dataset("flight_dumps", shape=(0,), maxshape=(None,), dtype=h5py.string_dtype(),
                                      chunks=(64,))
         ds = self.file["flight_dumps"]
         self._append(ds, ds.shape[0], fmt.to_json(info))
-        self.file.flush()
+        self._flushed()
 
     def set_attr(self, name: str, value) -> None:
+        self._locks.begin()
         self.file.attrs[name] = fmt.to_json(value)
+        self._flushed()
 
     def abort(self) -> None:
         """Close after a failure, writing nothing more: what was committed stays readable."""
@@ -381,8 +406,14 @@ class RunWriter:
                 self.file.close()
         except Exception:
             pass
+        finally:
+            self._locks.close()
 
     def close(self) -> None:
-        if self.file.id.valid:
-            self.file.flush()
-            self.file.close()
+        try:
+            if self.file.id.valid:
+                self._locks.begin()
+                self.file.flush()
+                self.file.close()
+        finally:
+            self._locks.close()
