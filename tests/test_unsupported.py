@@ -143,3 +143,217 @@ def test_run_file_deleted_while_recording(tmp_path):
     rec, warned = record_and_count_warnings(path, model, opt, 6, between=delete)
     assert len(warned) == 1 and "deleted or replaced" in str(warned[0].message)
     assert rec.error is not None
+
+
+# -- sparse tensors: recorded densified (the dense tensor is what the optimizer's math sees) ------------------------
+LOOKUPS = torch.tensor([[1, 3, 3], [5, 1, 0]])  # rows 0, 1, 3, 5 of 10 get a gradient at every step
+
+
+def train_sparse_embedding(path, make_optimizer, steps=4, **options):
+    """nn.Embedding(sparse=True): dense weight, sparse gradient. Returns the recorder, its RecorderWarnings, the
+    embedding and the dense gradient the optimizer saw at each step."""
+    torch.manual_seed(0)
+    emb = nn.Embedding(10, 4, sparse=True)
+    opt = make_optimizer(emb.parameters())
+    grads = []
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with upd.record(path, emb, opt, **options) as rec:
+            for _ in range(steps):
+                opt.zero_grad()
+                emb(LOOKUPS).pow(2).sum().backward()
+                assert emb.weight.grad.is_sparse
+                grads.append(emb.weight.grad.to_dense().clone())
+                opt.step()
+    return rec, [w for w in caught if issubclass(w.category, upd.RecorderWarning)], emb, grads
+
+
+SPARSE_GRAD_OPTIMIZERS = {
+    "sparseadam": lambda params: torch.optim.SparseAdam(params, lr=0.1),
+    "sgd-momentum": lambda params: torch.optim.SGD(params, lr=0.1, momentum=0.9),
+}
+
+
+@pytest.mark.parametrize("opt_name", sorted(SPARSE_GRAD_OPTIMIZERS))
+def test_sparse_gradients_recorded_densified_and_verified(tmp_path, opt_name):
+    import h5py
+
+    path = str(tmp_path / "run.h5")
+    rec, warned, emb, grads = train_sparse_embedding(path, SPARSE_GRAD_OPTIMIZERS[opt_name])
+    assert not warned and rec.error is None
+    with upd.open_run(path) as run:
+        p = run.param("weight")
+        assert torch.equal(p.read("grad", 2), grads[2])  # the sparse gradient, densified, exactly
+        assert torch.equal(p.read("param_after", 3), emb.weight.detach())
+    assert upd.verify(path).exit_code == 0
+    with h5py.File(path, "r+") as f:  # negative control: one looked-up element of one update off by 1e-3
+        ds = f["optimizers/0/params/weight/param_after"]
+        row = ds[1]
+        row[3, 2] += 1e-3
+        ds[1] = row
+    report = upd.verify(path)
+    assert report.exit_code == 1
+    assert set(report.checks[report.checks["status"] == "mismatch"]["step"]) == {1}
+
+
+def test_sparse_gradients_in_stats_mode(tmp_path):
+    path = str(tmp_path / "run.h5")
+    rec, warned, _, grads = train_sparse_embedding(path, SPARSE_GRAD_OPTIMIZERS["sparseadam"], every=None,
+                                                   stats_every=1)
+    assert not warned and rec.error is None
+    with upd.open_run(path) as run:
+        stats = run.stats()
+    assert list(stats["step"]) == [0, 1, 2, 3]
+    # Statistics of the dense gradient: 6 of the 10 rows were not looked up, so 60% exact zeros.
+    assert stats["grad_zero_frac"].tolist() == pytest.approx([0.6] * 4)
+    assert stats["grad_norm"].tolist() == pytest.approx([float(g.norm()) for g in grads], rel=1e-6)
+    assert (stats["update_norm"] > 0).all()
+
+
+def sparse_parameter():
+    torch.manual_seed(0)
+    values = torch.randn(3)
+    return nn.Parameter(torch.sparse_coo_tensor(torch.tensor([[0, 1, 3], [2, 0, 1]]), values, (5, 4),
+                                                check_invariants=True).coalesce())
+
+
+@pytest.mark.parametrize("options", [{}, {"stats_every": 1}, {"every": None, "stats_every": 1}],
+                         ids=["full", "full+stats", "stats"])
+def test_sparse_parameter_trained_with_sgd_recorded_densified(tmp_path, options):
+    """A sparse COO parameter: of torch 2.13's optimizers only SGD accepts one (Adagrad, Adam, ... refuse it). SGD's
+    update is linear, so the dense replay of the densified record is the same step."""
+    import h5py
+
+    weight = sparse_parameter()
+    opt = torch.optim.SGD([weight], lr=0.1, momentum=0.9, weight_decay=0.01)
+    x = torch.randn(4, 3, generator=torch.Generator().manual_seed(1))
+    path = str(tmp_path / "run.h5")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with upd.record(path, optimizer=opt, **options) as rec:
+            for _ in range(4):
+                opt.zero_grad()
+                torch.sparse.mm(weight, x).pow(2).sum().backward()
+                opt.step()
+    assert not [w for w in caught if issubclass(w.category, upd.RecorderWarning)] and rec.error is None
+    assert weight.is_sparse  # training itself is untouched
+    with upd.open_run(path) as run:
+        if options.get("stats_every"):
+            stats = run.stats()
+            assert list(stats["step"]) == [0, 1, 2, 3] and (stats["update_norm"] > 0).all()
+            # The gradient of torch.sparse.mm is sparse on the parameter's 3 entries: 17 of 20 exact zeros densified.
+            assert stats["grad_zero_frac"].tolist() == pytest.approx([17 / 20] * 4)
+        if "every" in options:
+            return
+        p = run.param("group0.param0")
+        assert torch.equal(p.read("param_after", 3), weight.detach().to_dense())
+    assert upd.verify(path).exit_code == 0
+    with h5py.File(path, "r+") as f:  # negative control: the momentum buffer the step 2 replay starts from
+        ds = f["optimizers/0/params/group0.param0/state/momentum_buffer"]
+        ds[2] = ds[2] * 1.001
+    report = upd.verify(path)
+    assert report.exit_code == 1
+    assert 2 in set(report.checks[report.checks["status"] == "mismatch"]["step"])
+
+
+# -- DTensor: not recorded until distributed support lands -------------------------------------------------------
+@pytest.fixture
+def cpu_mesh(tmp_path):
+    """A one-process gloo process group and its DeviceMesh("cpu", [0]), destroyed after the test."""
+    import torch.distributed as dist
+
+    if not dist.is_available() or not dist.is_gloo_available():
+        pytest.skip("torch.distributed with the gloo backend is not available in this torch build")
+    from torch.distributed.device_mesh import DeviceMesh
+
+    dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
+    try:
+        yield DeviceMesh("cpu", [0])
+    finally:
+        dist.destroy_process_group()
+
+
+def distributed_linear(mesh, placement):
+    from torch.distributed.tensor import Replicate, Shard, distribute_module, distribute_tensor
+
+    placement = {"replicate": Replicate(), "shard0": Shard(0)}[placement]
+
+    def partition(name, module, mesh):
+        for pname, p in list(module.named_parameters(recurse=False)):
+            module.register_parameter(pname, nn.Parameter(distribute_tensor(p.detach(), mesh, [placement])))
+
+    torch.manual_seed(0)
+    return distribute_module(nn.Linear(6, 4), mesh, partition)
+
+
+def dtensor_input(mesh):
+    from torch.distributed.tensor import Replicate, distribute_tensor
+
+    return distribute_tensor(torch.randn(5, 6), mesh, [Replicate()])
+
+
+@pytest.mark.parametrize("options", [{}, {"every": None, "stats_every": 1}, {"every": None, "flight_recorder": 3}],
+                         ids=["full", "stats", "flight"])
+@pytest.mark.parametrize("placement", ["replicate", "shard0"])
+def test_dtensor_parameters_warn_once_and_training_goes_on(tmp_path, cpu_mesh, placement, options):
+    from torch.distributed.tensor import DTensor
+
+    model = distributed_linear(cpu_mesh, placement)
+    assert isinstance(model.weight, DTensor)
+    opt = torch.optim.Adam(model.parameters(), lr=0.1)
+    path = str(tmp_path / "run.h5")
+    seen = []
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with upd.record(path, model, opt, **options) as rec:
+            for _ in range(3):
+                opt.zero_grad()
+                model(dtensor_input(cpu_mesh)).pow(2).mean().backward()
+                opt.step()
+                seen.append(model.weight.full_tensor().clone())
+    warned = [w for w in caught if issubclass(w.category, upd.RecorderWarning)]
+    assert len(warned) == 1 and "DTensor" in str(warned[0].message) and "weight" in str(warned[0].message)
+    assert isinstance(rec.error, TypeError) and not opt._optimizer_step_pre_hooks
+    assert not torch.equal(seen[0], seen[1]) and not torch.equal(seen[1], seen[2])  # training went on
+    with upd.open_run(path) as run:  # stopped before the first record, and the file is still a readable run
+        assert run.optimizers[0].num_records == 0
+
+
+def test_dtensor_parameter_added_mid_run_stops_at_that_step(tmp_path, cpu_mesh):
+    """Plain parameters are recorded until a DTensor appears (add_param_group at step 3): the three records before
+    stay readable and verify, the DTensor trains on unrecorded."""
+    from torch.distributed.tensor import distribute_tensor, Shard
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 4))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    extra = nn.Parameter(distribute_tensor(torch.randn(4, 2), cpu_mesh, [Shard(0)]))
+    before = extra.full_tensor().clone()
+
+    path = str(tmp_path / "run.h5")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with upd.record(path, model, opt) as rec:
+            for step in range(5):
+                if step == 3:
+                    opt.add_param_group({"params": [extra], "lr": 0.05})
+                opt.zero_grad()
+                model(torch.randn(4, 6)).pow(2).mean().backward()
+                extra.grad = distribute_tensor(torch.ones(4, 2), cpu_mesh, [Shard(0)])
+                opt.step()
+    warned = [w for w in caught if issubclass(w.category, upd.RecorderWarning)]
+    assert len(warned) == 1 and "DTensor" in str(warned[0].message) and rec.error is not None
+    assert not torch.equal(extra.full_tensor(), before)  # the DTensor parameter trained
+    with upd.open_run(path) as run:
+        assert list(run.optimizers[0].step) == [0, 1, 2]
+    assert upd.verify(path).exit_code == 0
+
+
+def test_strict_raises_on_a_dtensor_parameter(tmp_path, cpu_mesh):
+    model = distributed_linear(cpu_mesh, "replicate")
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.raises(TypeError, match="DTensor"):
+        with upd.record(str(tmp_path / "run.h5"), model, opt, strict=True):
+            opt.zero_grad()
+            model(dtensor_input(cpu_mesh)).pow(2).mean().backward()
+            opt.step()

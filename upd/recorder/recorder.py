@@ -21,7 +21,7 @@ import torch
 
 from .. import __version__
 from .. import format as fmt
-from .stats import STATS, count_nonfinite, log10_ratio, stats_rows, to_host
+from .stats import SPARSE_LAYOUTS, STATS, count_nonfinite, log10_ratio, stats_rows, to_host
 from .async_writer import AsyncRunWriter
 from .writer import ParamSnapshot, RecordSnapshot, RunWriter  # noqa: F401  (tests swap RunWriter)
 
@@ -102,12 +102,29 @@ def _group_hparams(group: dict) -> dict:
     return {k: fmt.jsonable(v) for k, v in group.items() if k not in ("params", "param_names")}
 
 
+def _dense(tensor: torch.Tensor) -> torch.Tensor:
+    """A sparse gradient, parameter or state tensor as the dense tensor the run stores (no copy when dense)."""
+    return tensor.to_dense() if tensor.layout in SPARSE_LAYOUTS else tensor
+
+
 def _cpu_copy(tensor: torch.Tensor) -> torch.Tensor:
-    tensor = tensor.detach()
-    if tensor.is_sparse:
-        tensor = tensor.to_dense()
+    tensor = _dense(tensor.detach())
     # .to(..., copy=True) always copies, so the snapshot cannot alias memory the optimizer updates in place.
     return tensor.to("cpu", copy=True)
+
+
+def _dtensor_class():
+    """torch.distributed.tensor.DTensor when that module is loaded (no DTensor can exist otherwise), else None."""
+    return getattr(sys.modules.get("torch.distributed.tensor"), "DTensor", None)
+
+
+def _refuse_dtensor(dtensor_class, tensor, what: str) -> None:
+    """Stop recording at the first DTensor: its local shard is not the tensor the optimizer updates, and a gathered
+    copy would be a collective inside the optimizer's step (distributed recording is not supported yet)."""
+    if dtensor_class is not None and isinstance(tensor, dtensor_class):
+        placements = ", ".join(str(pl) for pl in getattr(tensor, "placements", ()))
+        raise TypeError(f"{what} is a DTensor (torch.distributed.tensor, placements [{placements}]); torch-upd "
+                        "does not record distributed tensors yet")
 
 
 def _initial_step(optimizer: torch.optim.Optimizer) -> int:
@@ -407,10 +424,12 @@ class Recorder:
         # Names and backward counters only change when parameters do (add_param_group, a swapped tensor): a tuple
         # of ids is far cheaper than naming and hooking every parameter again at every step.
         layout = tuple(id(p) for group in optimizer.param_groups for p in group["params"])
+        dtensor = _dtensor_class()
         if self._layouts.get(opt_index) != layout:
             for g, group in enumerate(optimizer.param_groups):
                 for i, p in enumerate(group["params"]):
-                    self._param_name(opt_index, g, i, p, group)
+                    name = self._param_name(opt_index, g, i, p, group)
+                    _refuse_dtensor(dtensor, p, f"parameter {name}")
                     self._hook_backward_counter(p)
             self._layouts[opt_index] = layout
         selected = self.every is not None and step % self.every == 0
@@ -427,6 +446,10 @@ class Recorder:
                 # closure the gradient appears only inside step(), so that is decided after the step.
                 if (p.grad is None and not closure_step) or not self._selected(name):
                     continue
+                if dtensor is not None:  # a DTensor gradient or state of a plain parameter: stop at the first one
+                    _refuse_dtensor(dtensor, p.grad, f"the gradient of {name}")
+                    for key, value in optimizer.state.get(p, {}).items():
+                        _refuse_dtensor(dtensor, value, f"optimizer state {key!r} of {name}")
                 snap = ParamSnapshot(name=name, group=g, index_in_group=i, param_id=id(p))
                 if full:
                     if "param" in self.what:
@@ -488,7 +511,7 @@ class Recorder:
         update_tensors = []
         for snap in updates:
             live = snap.param_after.detach()
-            update_tensors.append((live.to("cpu") if rec.full else live) - snap.param)
+            update_tensors.append((_dense(live).to("cpu") if rec.full else live) - snap.param)
             index.append((snap.name, "update"))
         parts.append(stats_rows(update_tensors, "update" in self.zero_counts))
         sources = tensors + update_tensors

@@ -14,6 +14,7 @@ import torch
 STATS = ("mean", "std", "norm", "absmax", "zero_frac", "nonfinite")
 RATIO_COLUMNS = ("update_to_data", "grad_to_data")
 NONFINITE = STATS.index("nonfinite")
+SPARSE_LAYOUTS = (torch.sparse_coo, torch.sparse_csr, torch.sparse_csc, torch.sparse_bsr, torch.sparse_bsc)
 
 # Below this size the exact two-pass std is cheap; above it the one-pass form (sum and sum of squares) saves two
 # passes over memory. One-pass loses precision only when |mean| >> std, which large weight matrices, gradients,
@@ -23,6 +24,8 @@ TWO_PASS_LIMIT = 4096
 
 def _prepared(t: torch.Tensor) -> torch.Tensor:
     t = t.detach()
+    if t.layout in SPARSE_LAYOUTS:  # sparse gradients (nn.Embedding(sparse=True)) and parameters: the statistics
+        t = t.to_dense()            # are those of the dense tensor, implicit zeros included, as the run stores it
     if t.is_complex():
         t = torch.view_as_real(t)
     if not t.is_floating_point():
