@@ -51,3 +51,16 @@ def test_training_survives_a_full_disk(tmp_path):
 def test_strict_raises_the_disk_error(tmp_path):
     path, proc = run(tmp_path, "strict")
     assert proc.returncode != 0 and "OSError" in proc.stderr
+
+
+def test_the_reservation_alone_stops_a_record_the_disk_cannot_take(tmp_path):
+    # The free-space estimate switched off (as when another process fills the disk after it looked): fallocate of
+    # the record's bytes must fail first, before HDF5 writes any of it. `python benchmarks/disk_full.py` shows the
+    # same trials without either defence: training crashes and the run is unreadable in every one.
+    sys.path.insert(0, str(__import__("pathlib").Path(__file__).parent.parent / "benchmarks"))
+    import disk_full
+
+    results = disk_full.run_trials(limits=3, mode="reserve", workdir=str(tmp_path))
+    for r in results:
+        assert disk_full.ok(r), r
+        assert 0 < r["records"] < 60

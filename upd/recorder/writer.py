@@ -229,8 +229,9 @@ class RunWriter:
         array = fmt.tensor_to_numpy(tensor, ds.attrs["torch_dtype"])
         self._append(ds, row, array)
 
-    def _check_space(self, rec: RecordSnapshot) -> None:
-        """Refuse a record the disk (or the process's file-size limit) cannot take, before writing any of it.
+    def _check_space(self, rec: RecordSnapshot) -> int:
+        """Refuse a record the disk (or the process's file-size limit) cannot take, before writing any of it; return
+        the bytes it may need.
 
         HDF5 updates metadata in place: a write that fails half-way (ENOSPC, EFBIG) can leave metadata pointing past
         the end of the file, and the whole run unreadable. Stopping one record early keeps every committed step."""
@@ -247,22 +248,51 @@ class RunWriter:
         free = shutil.disk_usage(os.path.dirname(os.path.abspath(self.path))).free
         if resource is not None:
             limit = resource.getrlimit(resource.RLIMIT_FSIZE)[0]
-            if limit != resource.RLIM_INFINITY:
-                free = min(free, limit - os.path.getsize(self.path))
+            if limit != resource.RLIM_INFINITY:  # never write past it: SIGXFSZ would kill the training process
+                free = min(free, limit - max(os.path.getsize(self.path), self._end_of_allocation() or 0))
         if free < need:
             raise OSError(errno.ENOSPC, f"no room for the next record ({need / 1e6:.1f} MB needed, "
                                         f"{max(free, 0) / 1e6:.1f} MB left); the {self.path} written so far is kept")
+        return need
+
+    def _end_of_allocation(self, fd: int | None = None) -> int | None:
+        """HDF5's end of allocated space as the last flush wrote it in the superblock (versions 0 and 1, the ones
+        this writer creates); None for another layout."""
+        head = os.pread(self.file.id.get_vfd_handle() if fd is None else fd, 64, 0)
+        if head[:8] != b"\x89HDF\r\n\x1a\n" or head[8] not in (0, 1) or head[13] != 8:
+            return None
+        at = 40 if head[8] == 0 else 44  # version 1 adds 4 bytes (indexed storage K) before the addresses
+        return int.from_bytes(head[at - 16:at - 8], "little") + int.from_bytes(head[at:at + 8], "little")
+
+    def _reserve(self, nbytes: int) -> None:
+        """Allocate disk blocks for the next `nbytes` HDF5 will allocate, so that a full disk fails here, before
+        anything is written, and never in the middle of a flush (which can leave the file unreadable).
+
+        The free-space estimate alone can be wrong (another process filling the disk, quotas, compression); the
+        reservation cannot. Filesystems without fallocate fall back to the estimate."""
+        end = self._end_of_allocation()
+        if end is None:
+            return
+        try:
+            os.posix_fallocate(self.file.id.get_vfd_handle(), end, nbytes)
+        except OSError as exc:
+            if exc.errno in (errno.ENOSPC, errno.EFBIG, errno.EDQUOT):
+                raise OSError(exc.errno, f"no room for the next record ({nbytes / 1e6:.1f} MB could not be "
+                                         f"reserved: {os.strerror(exc.errno)}); the {self.path} written so far is "
+                                         "kept") from None
+            # EOPNOTSUPP, EINVAL, ENODEV...: the filesystem cannot reserve; the estimate above stands alone
 
     def write(self, rec: RecordSnapshot) -> None:
         """Write one step (full tensors, statistics, or both) with the commit protocol."""
         self._check_still_there()
-        self._check_space(rec)
+        self._reserve(self._check_space(rec))
         self._locks.begin()
         if rec.full:
             self._write_full(rec)
         if rec.stats is not None:
             self._write_stats(rec)
         self.file.flush()
+        self._reserve(256 << 10)  # the commit below grows a few B-trees: it must not be the write that fails
         # The commit: a record exists for readers once its step is appended, and only after its rows are durable.
         if rec.full:
             self._append(self.file["optimizers"][str(rec.optimizer)]["records"]["step"],
@@ -409,11 +439,27 @@ class RunWriter:
         finally:
             self._locks.close()
 
+    def _trim(self) -> None:
+        """Cut the unused part of the last reservation from a cleanly closed run (HDF5 keeps the file's length)."""
+        try:
+            fd = os.open(self.path, os.O_RDWR)
+        except OSError:
+            return
+        try:
+            end = self._end_of_allocation(fd)
+            if end is not None and os.fstat(fd).st_size > end:
+                os.ftruncate(fd, end)
+        except OSError:
+            pass  # a longer file reads the same
+        finally:
+            os.close(fd)
+
     def close(self) -> None:
         try:
             if self.file.id.valid:
                 self._locks.begin()
                 self.file.flush()
                 self.file.close()
+                self._trim()
         finally:
             self._locks.close()

@@ -1,0 +1,149 @@
+"""Fill the "disk" under a recording process at many points and count runs that stay readable.
+
+    python benchmarks/disk_full.py [--limits 8] [--mode all|estimate+reserve|reserve|estimate|none] [--cost]
+
+Each child trains a small Adam model for 60 steps with `upd.record` (about 100 KB per record) under a file-size
+limit (RLIMIT_FSIZE, with SIGXFSZ ignored, so a write past it fails with EFBIG as on a full volume). The limit moves
+by 37 KB per trial, so the failure lands at different places inside a record. Modes switch off the writer's
+defences to show what each buys:
+
+- estimate+reserve: the shipped writer (free-space estimate, then fallocate of the record's bytes);
+- reserve: the estimate disabled; the reservation alone must stop the record before anything is written;
+- estimate: the reservation disabled;
+- none: both disabled: HDF5 meets the full disk in the middle of a write.
+
+A trial passes when training finished all 60 steps (exit 0), the run opens, and `upd verify` passes on it.
+`--cost` also times the writer per record with and without the reservation (fresh processes, alternated).
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+import tempfile
+import textwrap
+
+DISABLE = {
+    "estimate": textwrap.dedent("""
+        import collections, upd.recorder.writer as W
+        W.resource = None
+        class _Usage:
+            @staticmethod
+            def disk_usage(path):
+                return collections.namedtuple("Usage", "free")(10 ** 15)
+        W.shutil = _Usage
+    """),
+    "reserve": "import os\nos.posix_fallocate = lambda fd, offset, length: None\n",
+}
+MODES = {"estimate+reserve": (), "reserve": ("estimate",), "estimate": ("reserve",), "none": ("estimate", "reserve")}
+
+CHILD = textwrap.dedent("""
+    import resource, signal, sys, warnings, torch, upd
+    exec(sys.argv[3])
+    signal.signal(signal.SIGXFSZ, signal.SIG_IGN)          # write() then fails with EFBIG instead of killing us
+    limit = int(sys.argv[2])
+    resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Tanh(), torch.nn.Linear(64, 8))
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with upd.record(sys.argv[1], model, opt) as rec:
+            for step in range(60):
+                model(torch.randn(16, 64)).pow(2).mean().backward()
+                opt.step(); opt.zero_grad()
+    kinds = [type(w.message).__name__ for w in caught]
+    print("steps", step + 1, "warnings", kinds.count("RecorderWarning"), "error", type(rec.error).__name__)
+""")
+
+
+def trial(path: str, limit: int, mode: str) -> dict:
+    import upd
+
+    code = "".join(DISABLE[d] for d in MODES[mode])
+    proc = subprocess.run([sys.executable, "-c", CHILD, path, str(limit), code], capture_output=True, text=True,
+                          timeout=300)
+    result = {"mode": mode, "limit": limit, "exit": proc.returncode, "finished": "steps 60" in proc.stdout,
+              "records": None, "verify": None, "error": None}
+    try:
+        with upd.open_run(path) as run:
+            result["records"] = run.optimizers[0].num_records
+        result["verify"] = upd.verify(path).exit_code
+    except Exception as exc:
+        result["error"] = f"{type(exc).__name__}: {exc}"[:200]
+    return result
+
+
+def ok(result: dict) -> bool:
+    return result["exit"] == 0 and result["finished"] and result["error"] is None and result["verify"] == 0
+
+
+def run_trials(limits: int, mode: str, workdir: str | None = None, first: int = 2_000_000) -> list:
+    with tempfile.TemporaryDirectory(dir=workdir) as tmp:
+        return [trial(os.path.join(tmp, f"run{i}.h5"), first + i * 37_001, mode) for i in range(limits)]
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--limits", type=int, default=8)
+    parser.add_argument("--mode", choices=["all", *MODES], default="all")
+    parser.add_argument("--cost", action="store_true", help="also time the writer with and without the reservation")
+    args = parser.parse_args()
+    if args.cost:
+        cost = reservation_cost()
+        print(f"writer time per 84 MB record: {cost['with_reservation_s'] * 1e3:.0f} ms with the reservation, "
+              f"{cost['without_s'] * 1e3:.0f} ms without: {cost['ratio']:.2f}x")
+    failed = False
+    for mode in (MODES if args.mode == "all" else [args.mode]):
+        results = run_trials(args.limits, mode)
+        good = sum(map(ok, results))
+        crashed = sum(r["exit"] != 0 for r in results)
+        unreadable = sum(r["error"] is not None for r in results)
+        print(f"{mode:>17}: {good}/{len(results)} ok; training crashed {crashed}, run unreadable {unreadable}")
+        for r in results:
+            if not ok(r):
+                print("    ", r)
+        failed |= mode == "estimate+reserve" and good < len(results)
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
+
+
+COST = textwrap.dedent("""
+    import os, sys, time, torch, upd
+    import upd.recorder.writer as W
+    reserve = sys.argv[2] == "1"
+    if not reserve:
+        os.posix_fallocate = lambda fd, offset, length: None
+    spent = []
+    write = W.RunWriter.write
+    def timed(self, rec):
+        t = time.perf_counter(); write(self, rec); spent.append(time.perf_counter() - t)
+    W.RunWriter.write = timed
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[torch.nn.Linear(1024, 1024) for _ in range(4)])
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    with upd.record(sys.argv[1], model, opt, overwrite=True):
+        for _ in range(12):
+            model(torch.randn(8, 1024)).pow(2).mean().backward()
+            opt.step(); opt.zero_grad()
+    spent.sort()
+    print(spent[len(spent) // 2])
+""")
+
+
+def reservation_cost(rounds: int = 5, workdir: str | None = None) -> dict:
+    """Median writer time per record (4.2M-parameter Adam model, 84 MB per record) with and without the
+    reservation, the two alternated in fresh processes; returns seconds per record and their ratio."""
+    times = {"1": [], "0": []}
+    with tempfile.TemporaryDirectory(dir=workdir) as tmp:
+        for _ in range(rounds):
+            for reserve in ("1", "0"):
+                out = subprocess.run([sys.executable, "-c", COST, os.path.join(tmp, "cost.h5"), reserve],
+                                     capture_output=True, text=True, timeout=600, check=True).stdout
+                times[reserve].append(float(out.split()[-1]))
+    med = {k: sorted(v)[len(v) // 2] for k, v in times.items()}
+    return {"with_reservation_s": med["1"], "without_s": med["0"], "ratio": med["1"] / med["0"]}
