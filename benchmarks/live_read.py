@@ -149,7 +149,8 @@ def main() -> int:
         print(r)
     good = sum(ok(r, live=not args.in_place) for r in results)
     opened = [r for r in results if r["open_ms"] is not None]
-    print(f"\n{good}/{len(results)} live reads correct ({'in place, no lock' if args.in_place else 'copy between records'})")
+    how = "in place, no lock" if args.in_place else "copy between records"
+    print(f"\n{good}/{len(results)} live reads correct ({how})")
     if opened:
         mb = statistics.median(r["bytes"] for r in opened) / 1e6
         ms = statistics.median(r["open_ms"] for r in opened)

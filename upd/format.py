@@ -34,6 +34,8 @@ WHAT_CHOICES = ("param", "grad", "state")
 # attribute torch_dtype="bfloat16" (readers reinterpret the bits; see docs/format.md).
 STORAGE_DTYPES = ("keep", "float32", "float16", "bfloat16")
 
+HDF5_SIGNATURE = b"\x89HDF\r\n\x1a\n"  # starts the superblock (at byte 0 of every file this writer creates)
+
 MAX_META_BYTES = 16 * 1024 * 1024  # readers refuse larger JSON attributes rather than parse them
 
 

@@ -709,7 +709,7 @@ class _GuardedFile:
         at = 0
         while at + 16 <= min(self._size, 1 << 20):
             head = os.pread(self._fd, 16, at)
-            if head[:8] == b"\x89HDF\r\n\x1a\n":
+            if head[:8] == fmt.HDF5_SIGNATURE:
                 offsets, lengths = (head[13], head[14]) if head[8] in (0, 1) else (head[9], head[10])
                 return (offsets if offsets in (2, 4, 8) else 8), (lengths if lengths in (2, 4, 8) else 8)
             at = 512 if at == 0 else at * 2
@@ -1109,10 +1109,10 @@ class Run:
                     "group": meta.get("group"), "rows": 0, "kinds": [], "state": [], "stored_as": None}
                    for name, meta in stats_meta.items() if name not in opt.params],
             })
-        return {"path": self.path, "live": self.live, "size_bytes": self.size_bytes, "format_version": self.format_version,
-                "torch_version": self.torch_version, "upd_version": self.meta.get("upd_version"),
-                "created_unix": self.meta.get("created_unix"), "options": self.options,
-                "params_not_optimized": self.params_not_optimized, "optimizers": optimizers}
+        return {"path": self.path, "live": self.live, "size_bytes": self.size_bytes,
+                "format_version": self.format_version, "torch_version": self.torch_version,
+                "upd_version": self.meta.get("upd_version"), "created_unix": self.meta.get("created_unix"),
+                "options": self.options, "params_not_optimized": self.params_not_optimized, "optimizers": optimizers}
 
     # -- analysis ---------------------------------------------------------------------------------------------
     def ratios(self, block_bytes: int = DEFAULT_BLOCK_BYTES, source: str = "auto") -> pd.DataFrame:
@@ -1201,7 +1201,8 @@ def open_run(path, live_timeout: float | None = None) -> Run:
 
     A run that is still being written is read from a copy taken between two records (``run.live`` is True): it
     holds every record committed so far and never a half-written one. Waiting for the writer to finish the record
-    in progress is bounded by `live_timeout` seconds (default: $UPD_LIVE_TIMEOUT, else 30). The copy lives in the temporary folder (``TMPDIR``) until
+    in progress is bounded by `live_timeout` seconds (default: $UPD_LIVE_TIMEOUT, else 30); open the run again to
+    see records committed later. The copy lives in the temporary folder (``TMPDIR``) until
     the run is closed.
     """
     return Run(path, live_timeout=live_timeout)

@@ -259,7 +259,7 @@ class RunWriter:
         """HDF5's end of allocated space as the last flush wrote it in the superblock (versions 0 and 1, the ones
         this writer creates); None for another layout."""
         head = os.pread(self.file.id.get_vfd_handle() if fd is None else fd, 64, 0)
-        if head[:8] != b"\x89HDF\r\n\x1a\n" or head[8] not in (0, 1) or head[13] != 8:
+        if head[:8] != fmt.HDF5_SIGNATURE or head[8] not in (0, 1) or head[13] != 8:
             return None
         at = 40 if head[8] == 0 else 44  # version 1 adds 4 bytes (indexed storage K) before the addresses
         return int.from_bytes(head[at - 16:at - 8], "little") + int.from_bytes(head[at:at + 8], "little")
@@ -285,8 +285,9 @@ class RunWriter:
     def write(self, rec: RecordSnapshot) -> None:
         """Write one step (full tensors, statistics, or both) with the commit protocol."""
         self._check_still_there()
-        self._reserve(self._check_space(rec))
-        self._locks.begin()
+        need = self._check_space(rec)
+        self._locks.begin()  # the reservation changes the file's length: a live reader must not be copying it
+        self._reserve(need)
         if rec.full:
             self._write_full(rec)
         if rec.stats is not None:
