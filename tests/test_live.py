@@ -155,3 +155,29 @@ def test_two_writers_cannot_share_a_run(tmp_path):
     finally:
         writer.close()
     livelock.WriterLocks(path).close()  # free again once the first one closed
+
+
+def test_a_run_read_in_place_refuses_reads_once_a_recorder_resumes_it(tmp_path):
+    # Opened when nobody wrote it, the run is read in place and lazily: a recorder that resumes it afterwards
+    # changes metadata under the reader's cache, so the reader refuses instead of trusting what it would read.
+    torch.manual_seed(0)
+    model = MLP()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    path = str(tmp_path / "run.h5")
+    with upd.record(path, model, opt):
+        _train(model, opt, 3)
+    run = upd.open_run(path)
+    try:
+        assert not run.live
+        before = run.param("fc1.weight").read("param")  # reads while nothing changed work
+        with upd.record(path, model, opt, resume=True):
+            _train(model, opt, 2)
+            with pytest.raises(upd.RunFileError, match="changed after it was opened .* open it again"):
+                run.param("fc1.weight").read("param")
+        with pytest.raises(upd.RunFileError, match="changed after it was opened"):  # still refused: stale cache
+            run.ratios()
+    finally:
+        run.close()
+    with upd.open_run(path) as fresh:  # a fresh open sees all five records, the first three as they were
+        assert fresh.optimizers[0].num_records == 5
+        assert torch.equal(fresh.param("fc1.weight").read("param", slice(0, 3)), before)

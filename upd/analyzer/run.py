@@ -54,12 +54,15 @@ class _Reading:
     """Context manager at the I/O edge: any error from h5py, numpy or JSON decoding while reading a part of the
     file becomes a RunFileError naming the file and that part. Wraps reads only, never the caller's own errors."""
 
-    __slots__ = ("path", "what")
+    __slots__ = ("path", "what", "raw")
 
-    def __init__(self, path: str, what: str):
-        self.path, self.what = path, what
+    def __init__(self, path: str, what: str, raw: "_GuardedFile | None" = None):
+        self.path, self.what, self.raw = path, what, raw
 
     def __enter__(self) -> None:
+        if self.raw is not None and self.raw.changed_under_us():
+            raise RunFileError(f"{self.path}: the file changed after it was opened (a recorder resumed it, or "
+                               "something rewrote it); open it again to read it")
         return None
 
     def __exit__(self, etype, exc, tb) -> bool:
@@ -434,7 +437,8 @@ class ParamRecord:
 
     def _reading(self, what: str) -> _Reading:
         return _Reading(self.optimizer.run.path,
-                        f"{what} of parameter {self.name!r} (optimizer {self.optimizer.index})")
+                        f"{what} of parameter {self.name!r} (optimizer {self.optimizer.index})",
+                        getattr(self.optimizer.run, "_raw", None))
 
     def _decode(self, ds: h5py.Dataset, rows, torch_dtype: str | None) -> torch.Tensor:
         return fmt.numpy_to_tensor(ds[rows], torch_dtype or "float32")
@@ -589,7 +593,7 @@ class OptimizerRun:
             _check_stats(check, group, where)
 
     def _reading(self, what: str) -> _Reading:
-        return _Reading(self.run.path, f"{what} of optimizer {self.index}")
+        return _Reading(self.run.path, f"{what} of optimizer {self.index}", getattr(self.run, "_raw", None))
 
     def hparams(self, record: int) -> list[dict]:
         """The param groups' hyperparameters at one record, as the optimizer saw them (JSON-decoded)."""
@@ -695,10 +699,15 @@ class _GuardedFile:
 
     _GCOL = b"GCOL"
 
-    def __init__(self, path: str, fd: int | None = None):
+    def __init__(self, path: str, fd: int | None = None, snapshot: bool = False):
         self._fd = os.open(path, os.O_RDONLY | getattr(os, "O_BINARY", 0)) if fd is None else fd
         self._pos = 0
-        self._size = os.fstat(self._fd).st_size
+        opened = os.fstat(self._fd)
+        self._size = opened.st_size
+        # Read in place (not a private copy): HDF5 reads it lazily, so a writer that starts later (resume=True)
+        # could change metadata under the reader's cache. Reads after that are refused, not trusted.
+        self._identity = None if snapshot else (opened.st_size, opened.st_mtime_ns)
+        self._changed = False
         self._checked: set[int] = set()
         self._attr_cache: dict[int, dict | None] = {}
         self._offset_size, self._length_size = self._superblock_sizes()
@@ -714,6 +723,14 @@ class _GuardedFile:
                 return (offsets if offsets in (2, 4, 8) else 8), (lengths if lengths in (2, 4, 8) else 8)
             at = 512 if at == 0 else at * 2
         return 8, 8
+
+    def changed_under_us(self) -> bool:
+        """True once the file read in place has been changed, or is open for writing (sticky)."""
+        if self._identity is None or self._changed or self._fd < 0:
+            return self._changed
+        now = os.fstat(self._fd)
+        self._changed = (now.st_size, now.st_mtime_ns) != self._identity or livelock.writer_present(self._fd)
+        return self._changed
 
     # -- the file-like interface h5py's fileobj driver uses ------------------------------------------------------
     def seek(self, pos: int, whence: int = 0) -> int:
@@ -969,7 +986,7 @@ class Run:
                 finally:
                     os.close(live_fd)
             try:
-                self._raw = _GuardedFile(self.path, fd)
+                self._raw = _GuardedFile(self.path, fd, snapshot=self.live)
             except OSError:
                 os.close(fd)
                 raise
@@ -1022,7 +1039,7 @@ class Run:
         self.params_not_optimized = raw
 
     def _reading(self, what: str) -> _Reading:
-        return _Reading(self.path, what)
+        return _Reading(self.path, what, getattr(self, "_raw", None))
 
     def _validator(self) -> _Validator:
         return _Validator(self.path, self.size_bytes, getattr(self, "_raw", None))
