@@ -181,3 +181,21 @@ def test_a_run_read_in_place_refuses_reads_once_a_recorder_resumes_it(tmp_path):
     with upd.open_run(path) as fresh:  # a fresh open sees all five records, the first three as they were
         assert fresh.optimizers[0].num_records == 5
         assert torch.equal(fresh.param("fc1.weight").read("param", slice(0, 3)), before)
+
+
+def test_a_stopped_reader_cannot_stall_the_writer_past_its_patience(tmp_path):
+    path = str(tmp_path / "run.h5")
+    writer = _writer(path)
+    reader_fd = os.open(path, os.O_RDONLY)
+    try:
+        assert livelock.lock(reader_fd, livelock.COMMIT_BYTE, exclusive=False, timeout=1)  # a copy that never ends
+        writer._locks.patience = 0.3
+        started = time.monotonic()
+        writer.add_optimizer(1, {"class": "torch.optim.SGD", "defaults": {}})  # a change waits, then goes on
+        assert 0.3 <= time.monotonic() - started < 5
+        assert not writer._locks.held
+    finally:
+        os.close(reader_fd)
+        writer.close()
+    with upd.open_run(path) as run:
+        assert [o.index for o in run.optimizers] == [0, 1]

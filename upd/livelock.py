@@ -94,12 +94,11 @@ class WriterLocks:
 
     Waiting for readers is bounded: a reader holds COMMIT_BYTE only while it copies the file; one that holds it
     longer than `patience` seconds (a stopped process) is not allowed to stall training, and the writer goes on
-    (`overrun` counts it; the reader's own size/mtime check then catches a copy the writer changed).
+    (the reader's own size/mtime check then catches a copy the writer changed).
     """
 
     def __init__(self, path: str, patience: float = 30.0):
         self.patience = patience
-        self.overrun = 0
         self.held = False
         self._fd = -1
         if not supported():
@@ -117,10 +116,7 @@ class WriterLocks:
         """Before changing the file."""
         if self._fd < 0 or self.held:
             return
-        if lock(self._fd, COMMIT_BYTE, exclusive=True, timeout=self.patience):
-            self.held = True
-        else:
-            self.overrun += 1
+        self.held = lock(self._fd, COMMIT_BYTE, exclusive=True, timeout=self.patience)
 
     def end(self) -> None:
         """Right after a flush that left the file complete."""
