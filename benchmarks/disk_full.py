@@ -26,7 +26,7 @@ import textwrap
 
 DISABLE = {
     "estimate": textwrap.dedent("""
-        import collections, upd.recorder.writer as W
+        import collections, upd.runfile.writer as W
         W.resource = None
         class _Usage:
             @staticmethod
@@ -114,7 +114,7 @@ if __name__ == "__main__":
 
 COST = textwrap.dedent("""
     import os, sys, time, torch, upd
-    import upd.recorder.writer as W
+    import upd.runfile.writer as W
     reserve = sys.argv[2] == "1"
     if not reserve:
         os.posix_fallocate = lambda fd, offset, length: None

@@ -82,7 +82,7 @@ class _Child:
 
 def _check_read(path: str, acknowledged: int, verify: bool, in_place: bool) -> dict:
     import upd
-    from upd import livelock
+    from upd.runfile import livelock
 
     result = {"acknowledged": acknowledged, "records": None, "live": None, "verify": None, "error": None,
               "open_ms": None, "bytes": None}

@@ -709,10 +709,10 @@ def stats_table(steps: int, workdir: str) -> dict:
 
 def stats_diagnosis() -> dict:
     """Where statistics mode's time goes, by process CPU time (medians of 7): upd's per-tensor statistics
-    (upd.recorder.stats.tensor_stats) on one 2048 x 2048 float32 tensor against each of its reductions and against
+    (upd.recorder.device_stats.tensor_stats) on one 2048 x 2048 float32 tensor against each of its reductions and against
     one L2 norm; then over every tensor of the reference transformer's step (param, grad, update, exp_avg,
     exp_avg_sq, and the 77 one-element step counters), split by size, against one batched _foreach_norm."""
-    from upd.recorder.stats import tensor_stats, to_host
+    from upd.recorder.device_stats import tensor_stats, to_host
 
     def cpu_ms(fn, n=7):
         fn()

@@ -1,4 +1,4 @@
-"""Worst verify error per optimizer over the whole replay matrix (tests/cases): the figures in docs/verify.md.
+"""Worst verify error per optimizer over the whole replay matrix (tests/verify/cases): the figures in docs/verify.md.
 
     python benchmarks/verify_worst_errors.py
 
@@ -12,7 +12,7 @@ import tempfile
 import pandas as pd
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.join(ROOT, "tests"))
+sys.path.insert(0, os.path.join(ROOT, "tests", "verify"))
 
 import upd  # noqa: E402
 from cases import all_cases  # noqa: E402

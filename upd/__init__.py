@@ -9,8 +9,8 @@
 __version__ = "0.1.0"
 
 from .recorder import Recorder, RecorderWarning, record  # noqa: E402
-from .analyzer import Run, RunFileError, open_run  # noqa: E402
-from .analyzer.verify import VerifyReport, verify  # noqa: E402
+from .runfile import Run, RunFileError, open_run  # noqa: E402
+from .replay.engine import VerifyReport, verify  # noqa: E402
 from .analyzer.analyze import Analysis, analyze  # noqa: E402
 from .analyzer.summary import Thresholds  # noqa: E402
 from . import replay  # noqa: E402

@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 
 import pandas as pd
 
-from .run import Run, open_run
+from ..runfile.reader import Run, open_run
 from .summary import Thresholds, summarize
 
 

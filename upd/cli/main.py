@@ -11,9 +11,13 @@ from datetime import datetime, timezone
 import click
 
 from .. import __version__
-from ..analyzer.run import RunFileError, open_run
+from ..analyzer.analyze import analyze as analyze_run
 from ..analyzer.summary import Thresholds, format_summary
-from ..analyzer.verify import EXIT_UNUSABLE
+from ..demo import makemore
+from ..integrations.tensorboard import export_ratios
+from ..replay import load_plugins
+from ..replay.engine import EXIT_UNUSABLE, verify as verify_run
+from ..runfile.reader import RunFileError, open_run
 
 EXIT_CODES = """\b
 Exit codes:
@@ -136,8 +140,6 @@ def analyze(run, out_dir, csv_path, high, low, hist_step, all_params, no_plots, 
     and a status for weights (ndim >= 2): ok near Karpathy's -3, HIGH above --high, LOW below --low. Writes
     update_to_data.png, grad_to_data.png, grad_histograms.png, weight_histograms.png and summary.csv to --out.
     """
-    from ..analyzer.analyze import analyze as analyze_run
-
     try:
         thresholds = Thresholds(high=high, low=low)
     except ValueError as exc:
@@ -154,8 +156,6 @@ def analyze(run, out_dir, csv_path, high, low, hist_step, all_params, no_plots, 
         result.ratios.to_csv(csv_path, index=False)
         click.echo(f"ratios table: {csv_path}")
     if tb_dir:
-        from ..analyzer.tensorboard import export_ratios
-
         try:
             count = export_ratios(result.ratios, tb_dir)
         except ImportError as exc:
@@ -187,9 +187,6 @@ def verify(run, rtol, ulps, as_json, csv_path, rule_modules):
     changed outside the optimizer. Each mismatch is explained when replaying an alternative (a scaled gradient,
     another lr, weight decay dropped or doubled) reproduces the record.
     """
-    from ..analyzer.verify import verify as verify_run
-    from ..replay import load_plugins
-
     try:
         load_plugins(rule_modules)
     except Exception as exc:
@@ -233,10 +230,6 @@ def demo(out_dir, init, steps, seed, force):
     The network is Karpathy's from "makemore part 3": an embedding, a stack of Linear -> BatchNorm1d -> Tanh
     layers and an output Linear, trained with SGD. Takes well under a minute on 2 CPU cores.
     """
-    from ..analyzer.analyze import analyze as analyze_run
-    from ..analyzer.verify import verify as verify_run
-    from ..demo import makemore
-
     os.makedirs(out_dir, exist_ok=True)
     path = os.path.join(out_dir, f"demo-{init}.h5")
     if os.path.exists(path) and not force:

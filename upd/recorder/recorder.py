@@ -20,10 +20,11 @@ from typing import Sequence
 import torch
 
 from .. import __version__
-from .. import format as fmt
-from .stats import SPARSE_LAYOUTS, STATS, count_nonfinite, log10_ratio, stats_rows, to_host
-from .async_writer import AsyncRunWriter
-from .writer import ParamSnapshot, RecordSnapshot, RunWriter  # noqa: F401  (tests swap RunWriter)
+from ..runfile import encoding, schema
+from .device_stats import SPARSE_LAYOUTS, STATS, count_nonfinite, log10_ratio, stats_rows, to_host
+from ..integrations.tensorboard import TensorBoardSink
+from ..runfile.async_writer import AsyncRunWriter
+from ..runfile.writer import ParamSnapshot, RecordSnapshot, RunWriter  # noqa: F401  (tests swap RunWriter)
 
 
 class RecorderWarning(UserWarning):
@@ -99,7 +100,7 @@ def _optimizer_class_name(optimizer: torch.optim.Optimizer) -> str:
 
 
 def _group_hparams(group: dict) -> dict:
-    return {k: fmt.jsonable(v) for k, v in group.items() if k not in ("params", "param_names")}
+    return {k: encoding.jsonable(v) for k, v in group.items() if k not in ("params", "param_names")}
 
 
 def _dense(tensor: torch.Tensor) -> torch.Tensor:
@@ -141,7 +142,7 @@ class Recorder:
     """
 
     def __init__(self, path, model=None, optimizer=None, *, every: int | None = 1, stats_every: int | None = None,
-                 include=None, exclude=None, what: Sequence[str] = fmt.WHAT_CHOICES, dtype: str = "keep",
+                 include=None, exclude=None, what: Sequence[str] = schema.WHAT_CHOICES, dtype: str = "keep",
                  compression=None, tensorboard=None, zero_counts: Sequence[str] = ("grad",),
                  flight_recorder: int | None = None,
                  spike_factor: float = 10.0, overwrite: bool = False, resume: bool = False, strict: bool = False):
@@ -163,11 +164,11 @@ class Recorder:
         if every is None and stats_every is None and flight_recorder is None:
             raise ValueError("every=None and stats_every=None would record nothing")
         what = (what,) if isinstance(what, str) else tuple(what)
-        unknown = set(what) - set(fmt.WHAT_CHOICES)
+        unknown = set(what) - set(schema.WHAT_CHOICES)
         if unknown:
-            raise ValueError(f"what= accepts {fmt.WHAT_CHOICES}, got {sorted(unknown)}")
-        if dtype not in fmt.STORAGE_DTYPES:
-            raise ValueError(f"dtype= must be one of {fmt.STORAGE_DTYPES}, got {dtype!r}")
+            raise ValueError(f"what= accepts {schema.WHAT_CHOICES}, got {sorted(unknown)}")
+        if dtype not in schema.STORAGE_DTYPES:
+            raise ValueError(f"dtype= must be one of {schema.STORAGE_DTYPES}, got {dtype!r}")
         if compression not in (None, "gzip", "lzf"):
             raise ValueError(f"compression= must be None, 'gzip' or 'lzf', got {compression!r}")
 
@@ -188,8 +189,6 @@ class Recorder:
         self.dumps: list[dict] = []
         self._tensorboard = None
         if tensorboard is not None:
-            from ..analyzer.tensorboard import TensorBoardSink
-
             self._tensorboard = TensorBoardSink(tensorboard)
         self.include = [include] if isinstance(include, str) else list(include or [])
         self.exclude = [exclude] if isinstance(exclude, str) else list(exclude or [])
@@ -247,7 +246,7 @@ class Recorder:
                 opt_meta = {
                     "class": _optimizer_class_name(opt),
                     "mro": [_class_path(c) for c in type(opt).__mro__ if issubclass(c, torch.optim.Optimizer)],
-                    "defaults": fmt.jsonable({k: v for k, v in opt.defaults.items() if k != "params"}),
+                    "defaults": encoding.jsonable({k: v for k, v in opt.defaults.items() if k != "params"}),
                     "initial_step": self._steps_done[i],
                     "params": self._param_layout(i, opt),
                 }

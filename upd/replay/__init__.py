@@ -1,17 +1,15 @@
-"""Replay rules: one small module per optimizer family, registered by optimizer class.
+"""Verification: replay each recorded step with the optimizer's own math and compare with the record.
 
-Every module in this package registers its rules on import; add your own with ``upd.replay.register(MyOptimizer)``
-(see docs/verify.md).
+- ``engine``: reads a run, replays every (step, parameter) and compares (``upd.verify``);
+- ``explain``: says why a mismatching step mismatches, by replaying the usual suspects;
+- ``registry``: replay rules keyed by optimizer class, with the adapter every rule shares;
+- ``rules/``: one small module per optimizer family, each registering its rule on import.
+
+Add a rule for your own optimizer with ``upd.replay.register(MyOptimizer)`` (see docs/verify.md).
 """
-import importlib
-import pkgutil
-
 from .registry import (NotReplayable, Replayed, ReplayRule, load_plugins, lookup, register, registered,
                        unregister)
-
-for _module in pkgutil.iter_modules(__path__):
-    if _module.name != "registry":
-        importlib.import_module(f"{__name__}.{_module.name}")
+from . import rules  # noqa: F401  (registers the torch.optim rules)
 
 __all__ = ["register", "unregister", "lookup", "registered", "load_plugins", "Replayed", "ReplayRule",
            "NotReplayable"]

@@ -14,7 +14,9 @@ Rules raise NotReplayable(reason) when the record lacks something they need.
 """
 from __future__ import annotations
 
+import importlib
 from dataclasses import dataclass, field
+from importlib import metadata
 from typing import Callable, Union
 
 import torch
@@ -142,9 +144,6 @@ ENTRY_POINT_GROUP = "torch_upd.replay_rules"
 def load_plugins(modules=()) -> list[str]:
     """Import the modules that register third-party rules: the given module names, and every entry point in the
     ``torch_upd.replay_rules`` group of the installed distributions. Returns what was loaded."""
-    import importlib
-    from importlib import metadata
-
     loaded = []
     for name in modules:
         importlib.import_module(name)

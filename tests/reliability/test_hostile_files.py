@@ -1,0 +1,755 @@
+"""Hostile and broken files: every reader entry point gives one clear line naming the file, and exit code 2.
+
+`upd info|analyze|verify`, `upd.open_run`, `Run.ratios()` and `upd.verify()` on anything that is not a usable run
+must fail with `RunFileError` (the CLI: exactly one line on stderr containing the path, exit code 2): never a
+traceback, a hang or a huge allocation. A file that is still a valid run after a mutation must still be read
+(0, 1 for a verify mismatch after a data corruption, 3 for nothing verifiable).
+
+Two property tests mutate the committed sample runs, (a) byte by byte (truncation, flipped or overwritten byte
+ranges) and (b) through h5py (deleted datasets and attributes, wrongly typed or garbage attributes, resized
+datasets, changed dtypes, absurd shapes, newer format versions); explicit example tests cover each listed case.
+"""
+from __future__ import annotations
+
+import faulthandler
+import json
+import os
+import resource
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+import tracemalloc
+
+import h5py
+import numpy as np
+import pytest
+from click.testing import CliRunner
+
+import upd
+from upd.runfile import schema
+from upd.cli.main import main
+
+from conftest import SAMPLE_DIR
+
+try:
+    from hypothesis import HealthCheck, given, settings
+    from hypothesis import strategies as st
+except ImportError:  # the property tests need hypothesis; the example tests below run without it
+    given = None
+
+SAMPLES = ("adam.h5", "sgd_momentum.h5", "adamw_onecycle_two_groups.h5")
+COMMANDS = (("info",), ("analyze", "--no-plots"), ("verify",))
+VALID = {0, 1, 3}  # exit codes of a command that read a usable run
+SECONDS_PER_COMMAND = 60.0  # each command on these ~1 MB files takes well under a second (margin: loaded CI)
+PEAK_BYTES = 256 * 1024 * 1024  # Python/numpy memory one command may allocate (tracemalloc) on a ~1 MB file
+HANG_SECONDS = 180  # watchdog: a hang inside HDF5 (C code, no Python signal gets in) dumps stacks and exits
+
+
+def sample_path(name: str) -> str:
+    return os.path.join(SAMPLE_DIR, name)
+
+
+def run_command(args, path, *, measure_memory=False):
+    """(exit code, stdout, stderr) of `upd ARGS PATH` through click's CliRunner, bounded in time and memory."""
+    faulthandler.dump_traceback_later(HANG_SECONDS, exit=True)
+    if measure_memory:
+        tracemalloc.start()
+    started = time.perf_counter()
+    try:
+        result = CliRunner().invoke(main, [*args, str(path)])
+    finally:
+        elapsed = time.perf_counter() - started
+        peak = tracemalloc.get_traced_memory()[1] if measure_memory else 0
+        if measure_memory:
+            tracemalloc.stop()
+        faulthandler.cancel_dump_traceback_later()
+    assert elapsed < SECONDS_PER_COMMAND, (args, path, elapsed)
+    assert peak < PEAK_BYTES, (args, path, peak)
+    if result.exception is not None and not isinstance(result.exception, SystemExit):
+        raise AssertionError(f"upd {' '.join(args)} {path} raised {result.exception!r}") from result.exception
+    return result.exit_code, result.stdout, result.stderr
+
+
+def assert_one_line_error(args, path, code, out, err, words=()):
+    """Exit 2 with exactly one line, on stderr, naming the file; the reader's own message, not a crash."""
+    assert code == 2, (args, path, code, out, err)
+    assert out == "", (args, out)
+    lines = err.splitlines()
+    assert len(lines) == 1, (args, err)
+    line = lines[0]
+    assert str(path) in line, (args, line)
+    assert "Traceback" not in line and "UPD_DEBUG" not in line, (args, line)  # UPD_DEBUG: an unexpected exception
+    assert "Unable to allocate" not in line and "MemoryError" not in line, (args, line)
+    for word in words:
+        assert word in line, (args, word, line)
+    return line
+
+
+def check_all_commands(path, allowed: dict | None = None, words=(), measure_memory=False):
+    """Run every command on path. allowed: command name -> allowed exit codes (default: only 2)."""
+    codes = {}
+    for args in COMMANDS:
+        code, out, err = run_command(args, path, measure_memory=measure_memory)
+        ok = (allowed or {}).get(args[0], {2})
+        assert code in ok, (args, path, code, out, err)
+        if code == 2:
+            assert_one_line_error(args, path, code, out, err, words)
+        else:
+            assert "Traceback" not in out + err
+        codes[args[0]] = code
+    return codes
+
+
+def check_api(path, words=()):
+    """upd.open_run + ratios() + upd.verify(): RunFileError naming the file, one line, or success."""
+    try:
+        with upd.open_run(path) as run:
+            run.describe()
+            run.ratios()
+        upd.verify(path)
+    except upd.RunFileError as exc:
+        message = str(exc)
+        assert "\n" not in message and str(path) in message, message
+        for word in words:
+            assert word in message, (word, message)
+        return False
+    return True
+
+
+# -- where the bytes are ---------------------------------------------------------------------------------------
+
+def _data_ranges(path: str) -> list[tuple[int, int]]:
+    """File byte ranges holding the raw values of tensor datasets (param, grad, param_after, state/*)."""
+    ranges = []
+
+    def visit(name, obj):
+        if isinstance(obj, h5py.Dataset) and obj.dtype.kind == "f" and "/params/" in name \
+                and not name.endswith("/state/step"):
+            for i in range(obj.id.get_num_chunks()):
+                info = obj.id.get_chunk_info(i)
+                ranges.append((info.byte_offset, info.byte_offset + info.size))
+
+    with h5py.File(path, "r") as f:
+        f.visititems(visit)
+    return sorted(ranges)
+
+
+def _gaps(ranges: list[tuple[int, int]], size: int) -> list[tuple[int, int]]:
+    """The byte ranges between the given ones: everything that is not tensor data."""
+    gaps, at = [], 0
+    for lo, hi in ranges:
+        if lo > at:
+            gaps.append((at, lo))
+        at = max(at, hi)
+    if at < size:
+        gaps.append((at, size))
+    return gaps
+
+
+DATA_RANGES = {name: _data_ranges(sample_path(name)) for name in SAMPLES}
+SIZES = {name: os.path.getsize(sample_path(name)) for name in SAMPLES}
+METADATA_RANGES = {name: _gaps(DATA_RANGES[name], SIZES[name]) for name in SAMPLES}
+
+
+def _inside_data(name: str, start: int, stop: int) -> bool:
+    return any(lo <= start and stop <= hi for lo, hi in DATA_RANGES[name])
+
+
+def _copy(name: str, directory: str) -> str:
+    dst = os.path.join(directory, "hostile run.h5")  # a space in the name: the path must still be quoted whole
+    shutil.copy(sample_path(name), dst)
+    return dst
+
+
+# -- property test (a): byte-level mutations ------------------------------------------------------------------
+
+if given is not None:
+    # UPD_HOSTILE_EXAMPLES=2000 fuzzes longer than CI does (each strategy, same assertions).
+    # deadline: per example (three commands, and the API on a refused file); each command is also bounded above.
+    FAST = settings(max_examples=int(os.environ.get("UPD_HOSTILE_EXAMPLES", "60")), deadline=180_000,
+                    database=None, print_blob=True,
+                    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+
+    @FAST
+    @given(name=st.sampled_from(SAMPLES), fraction=st.floats(0.0, 1.0, exclude_max=True))
+    def test_truncated_runs_are_refused(name, fraction):
+        with tempfile.TemporaryDirectory() as tmp:
+            path = _copy(name, tmp)
+            cut = int(fraction * SIZES[name])
+            with open(path, "r+b") as f:
+                f.truncate(cut)
+            words = ("empty",) if cut == 0 else ()
+            check_all_commands(path, words=words)
+            assert check_api(path) is False
+
+    @st.composite
+    def byte_edits(draw):
+        name = draw(st.sampled_from(SAMPLES))
+        size = SIZES[name]
+        edits = []
+        for _ in range(draw(st.integers(1, 3))):
+            where = draw(st.sampled_from(["data", "metadata", "anywhere", "head"]))
+            length = draw(st.integers(1, 64))
+            if where == "data":
+                lo, hi = draw(st.sampled_from(DATA_RANGES[name]))
+                start = draw(st.integers(lo, max(lo, hi - length)))
+            elif where == "head":  # superblock and root object header
+                start = draw(st.integers(0, 4096))
+            elif where == "metadata":  # bytes outside the tensors' raw data: headers, B-trees, heaps, attributes
+                lo, hi = draw(st.sampled_from(METADATA_RANGES[name]))
+                start = draw(st.integers(lo, hi - 1))
+            else:
+                start = draw(st.integers(0, size - 1))
+            length = min(length, size - start)
+            how = draw(st.sampled_from(["xor", "random", "zero", "ones"]))
+            payload = draw(st.binary(min_size=length, max_size=length))
+            edits.append((start, length, how, payload))
+        return name, edits
+
+    @FAST
+    @given(case=byte_edits())
+    def test_flipped_and_overwritten_bytes(case):
+        name, edits = case
+        with tempfile.TemporaryDirectory() as tmp:
+            path = _copy(name, tmp)
+            with open(path, "r+b") as f:
+                data = bytearray(f.read())
+                for start, length, how, payload in edits:
+                    old = data[start:start + length]
+                    new = {"xor": bytes(a ^ (b | 1) for a, b in zip(old, payload)), "random": payload,
+                           "zero": bytes(length), "ones": b"\xff" * length}[how]
+                    data[start:start + length] = new
+                f.seek(0)
+                f.write(data)
+            only_data = all(_inside_data(name, s, s + n) for s, n, _, _ in edits)
+            # Corrupted tensor values leave a valid run: read it, and verify may report a mismatch. Anything else
+            # may or may not still be a run, but is never a crash.
+            allowed = {"info": {0}, "analyze": {0}, "verify": {0, 1}} if only_data else \
+                {c: VALID | {2} for c in ("info", "analyze", "verify")}
+            codes = check_all_commands(path, allowed)
+            if codes["info"] == 2:  # refused on open: every entry point refuses it the same way
+                assert set(codes.values()) == {2}, codes
+else:
+    @pytest.mark.skip(reason="hypothesis is not installed")
+    def test_property_tests_need_hypothesis():
+        pass
+
+
+# -- property test (b): structure-level mutations with h5py -------------------------------------------------
+
+OPT = "optimizers/0"
+REC = f"{OPT}/records"
+P = f"{OPT}/params/fc1.weight"  # every sample has it
+BROKEN = {"info": {2}, "analyze": {2}, "verify": {2}}
+STILL_VALID = {"info": {0}, "analyze": {0}, "verify": VALID}
+LAZY = {"info": {0}, "analyze": {0}, "verify": {2}}  # only verify reads it (hparams)
+
+
+def _replace_dataset(f, name, data, attrs=None, **kwargs):
+    old_attrs = dict(f[name].attrs) if attrs is None else attrs
+    del f[name]
+    ds = f.create_dataset(name, data=data, **kwargs)
+    for k, v in old_attrs.items():
+        ds.attrs[k] = v
+
+
+def _set_meta(f, where, **changes):
+    meta = json.loads(f[where].attrs["meta"])
+    meta.update(changes)
+    f[where].attrs["meta"] = json.dumps(meta)
+
+
+BIG = 2 ** 40  # rows or columns no ~1 MB file can hold
+
+# (description, mutation(f), expected exit codes per command)
+STRUCTURE_MUTATIONS = [
+    # missing datasets, groups, attributes
+    ("delete records/step", lambda f: f.__delitem__(f"{REC}/step"), BROKEN),
+    ("delete records/backward_pass", lambda f: f.__delitem__(f"{REC}/backward_pass"), BROKEN),
+    ("delete records/wall_time", lambda f: f.__delitem__(f"{REC}/wall_time"), BROKEN),
+    ("delete records/lr", lambda f: f.__delitem__(f"{REC}/lr"), BROKEN),
+    ("delete records/hparams", lambda f: f.__delitem__(f"{REC}/hparams"), BROKEN),
+    ("delete records group", lambda f: f.__delitem__(REC), BROKEN),
+    ("delete params group", lambda f: f.__delitem__(f"{OPT}/params"), BROKEN),
+    ("delete optimizers group", lambda f: f.__delitem__("optimizers"), BROKEN),
+    ("delete record index", lambda f: f.__delitem__(f"{P}/record"), BROKEN),
+    ("delete state_present", lambda f: f.__delitem__(f"{P}/state_present"), BROKEN),
+    ("delete a state dataset", lambda f: f.__delitem__(f"{P}/state/" + json.loads(f[f"{P}/state"].attrs["keys"])[-1]),
+     {"info": {0, 2}, "analyze": {0, 2}, "verify": {2}}),
+    ("delete closure_losses (optional)", lambda f: f[REC].pop("closure_losses", None), STILL_VALID),
+    ("delete param_after (what= may omit it)", lambda f: f.__delitem__(f"{P}/param_after"), STILL_VALID),
+    ("delete the state group", lambda f: f.__delitem__(f"{P}/state"), STILL_VALID),
+    ("delete root format attr", lambda f: f.attrs.__delitem__("format"), BROKEN),
+    ("delete root format_version attr", lambda f: f.attrs.__delitem__("format_version"), BROKEN),
+    ("delete root meta attr", lambda f: f.attrs.__delitem__("meta"), BROKEN),
+    ("delete params_not_optimized (optional)", lambda f: f.attrs.__delitem__("params_not_optimized"), STILL_VALID),
+    ("delete optimizer meta", lambda f: f[OPT].attrs.__delitem__("meta"), BROKEN),
+    ("delete param meta", lambda f: f[P].attrs.__delitem__("meta"), BROKEN),
+    # wrongly typed attributes, garbage and huge JSON
+    ("format attr is an int", lambda f: f.attrs.__setitem__("format", 7), BROKEN),
+    ("format_version is a string", lambda f: f.attrs.__setitem__("format_version", "1"), BROKEN),
+    ("format_version is an array", lambda f: f.attrs.__setitem__("format_version", np.arange(3)), BROKEN),
+    ("format_version 99", lambda f: f.attrs.__setitem__("format_version", 99), BROKEN),
+    ("format_version 0", lambda f: f.attrs.__setitem__("format_version", 0), BROKEN),
+    ("root meta is an int", lambda f: f.attrs.__setitem__("meta", 5), BROKEN),
+    ("root meta is a JSON list", lambda f: f.attrs.__setitem__("meta", "[1, 2]"), BROKEN),
+    ("root meta is garbage", lambda f: f.attrs.__setitem__("meta", "{not json"), BROKEN),
+    ("root meta is invalid UTF-8", lambda f: f.attrs.__setitem__("meta", np.bytes_(b"{\"a\": \"\xff\xfe\"}")),
+     BROKEN),
+    ("root meta nested 100000 deep", lambda f: f.attrs.__setitem__("meta", "[" * 100_000 + "]" * 100_000), BROKEN),
+    ("root meta larger than MAX_META_BYTES",
+     lambda f: f.attrs.__setitem__("meta", '{"x": "' + "a" * schema.MAX_META_BYTES + '"}'), BROKEN),
+    ("root meta: torch_version a number", lambda f: _set_meta(f, "/", torch_version=2.1), BROKEN),
+    ("root meta: torch_version 5000 digits", lambda f: _set_meta(f, "/", torch_version="2." + "9" * 5000), BROKEN),
+    ("root meta: a lone surrogate escape", lambda f: _set_meta(f, "/", torch_version="\udcff"), BROKEN),
+    ("hparams with invalid UTF-8", lambda f: f[f"{REC}/hparams"].__setitem__(
+        1, np.array(b'[{"lr": "\xff\xfe"}]', dtype=h5py.string_dtype("utf-8"))), LAZY),
+    ("a parameter named with invalid UTF-8", lambda f: f[f"{OPT}/params"].move("fc1.bias", b"fc1.\xff"), BROKEN),
+    ("root meta: created_unix absurd", lambda f: _set_meta(f, "/", created_unix=1e300), BROKEN),
+    ("root meta: created_unix a string", lambda f: _set_meta(f, "/", created_unix="yesterday"), BROKEN),
+    ("root meta: options a list", lambda f: _set_meta(f, "/", options=[1]), BROKEN),
+    ("root meta: options.what a number", lambda f: _set_meta(f, "/", options={"what": 5}), BROKEN),
+    ("params_not_optimized garbage", lambda f: f.attrs.__setitem__("params_not_optimized", "{{"), BROKEN),
+    ("params_not_optimized a dict", lambda f: f.attrs.__setitem__("params_not_optimized", '{"a": 1}'), BROKEN),
+    ("optimizer meta is garbage", lambda f: f[OPT].attrs.__setitem__("meta", "\x01\x02 not json"), BROKEN),
+    ("optimizer meta: class a number", lambda f: _set_meta(f, OPT, **{"class": 3}), BROKEN),
+    ("optimizer meta: mro a string", lambda f: _set_meta(f, OPT, mro=17), BROKEN),
+    ("param meta is an array", lambda f: f[P].attrs.__setitem__("meta", np.zeros(4)), BROKEN),
+    ("param meta: group a string", lambda f: _set_meta(f, P, group="zero"), BROKEN),
+    ("param meta: group out of range", lambda f: _set_meta(f, P, group=7), BROKEN),
+    ("param meta: index_in_group a list", lambda f: _set_meta(f, P, index_in_group=[1]), BROKEN),
+    ("param meta: dtype a list", lambda f: _set_meta(f, P, dtype=[1]), BROKEN),
+    ("state keys garbage", lambda f: f[f"{P}/state"].attrs.__setitem__("keys", "[["), BROKEN),
+    ("state keys not strings", lambda f: f[f"{P}/state"].attrs.__setitem__("keys", "[1, 2]"), BROKEN),
+    ("torch_dtype bfloat16 on float32 data",
+     lambda f: f[f"{P}/param"].attrs.__setitem__("torch_dtype", "bfloat16"), BROKEN),
+    ("torch_dtype unknown", lambda f: f[f"{P}/grad"].attrs.__setitem__("torch_dtype", "os.system"), BROKEN),
+    ("torch_dtype a number", lambda f: f[f"{P}/param_after"].attrs.__setitem__("torch_dtype", 4), BROKEN),
+    ("hparams JSON garbage at one record", lambda f: f[f"{REC}/hparams"].__setitem__(3, "{garbage"), LAZY),
+    ("hparams JSON a number", lambda f: f[f"{REC}/hparams"].__setitem__(0, "17"), LAZY),
+    ("hparams JSON list of numbers", lambda f: f[f"{REC}/hparams"].__setitem__(2, "[1, 2]"), LAZY),
+    ("hparams JSON without lr", lambda f: f[f"{REC}/hparams"].__setitem__(2, "[{}]"), LAZY),
+    ("hparams JSON nested deep", lambda f: f[f"{REC}/hparams"].__setitem__(1, "[" * 50_000), LAZY),
+    # absurd shapes in meta JSON
+    ("meta shape 2**62 x 2**62", lambda f: _set_meta(f, P, shape=[2 ** 62, 2 ** 62]), BROKEN),
+    ("meta shape negative", lambda f: _set_meta(f, P, shape=[-20, 64]), BROKEN),
+    ("meta shape a string", lambda f: _set_meta(f, P, shape="20x64"), BROKEN),
+    ("meta shape floats", lambda f: _set_meta(f, P, shape=[20.0, 64.5]), BROKEN),
+    ("meta shape 10**30", lambda f: _set_meta(f, P, shape=[10 ** 30]), BROKEN),
+    ("meta shape rank 40", lambda f: _set_meta(f, P, shape=[1] * 40), BROKEN),
+    ("meta shape transposed", lambda f: _set_meta(f, P, shape=[64, 20]), BROKEN),
+    # resized datasets
+    ("records/step one row longer", lambda f: f[f"{REC}/step"].resize((f[f"{REC}/step"].shape[0] + 1,)), BROKEN),
+    ("records/step shorter (fewer committed records)", lambda f: f[f"{REC}/step"].resize((5,)), STILL_VALID),
+    ("records/step empty", lambda f: f[f"{REC}/step"].resize((0,)), {"info": {0}, "analyze": {0}, "verify": {3}}),
+    ("records/step 2**40 rows", lambda f: f[f"{REC}/step"].resize((BIG,)), BROKEN),
+    ("records/hparams shorter than step", lambda f: f[f"{REC}/hparams"].resize((3,)), BROKEN),
+    ("records/lr with 2**40 groups", lambda f: f[f"{REC}/lr"].resize(BIG, axis=1), BROKEN),
+    ("records/lr with no groups", lambda f: f[f"{REC}/lr"].resize(0, axis=1), BROKEN),
+    ("records/wall_time 2**40 rows (ignored beyond step)", lambda f: f[f"{REC}/wall_time"].resize((BIG,)),
+     STILL_VALID),
+    ("record index 2**40 rows", lambda f: f[f"{P}/record"].resize((BIG,)), BROKEN),
+    ("record index padded with zeros", lambda f: f[f"{P}/record"].resize((30,)), BROKEN),
+    ("record index shorter (fewer rows)", lambda f: f[f"{P}/record"].resize((7,)), STILL_VALID),
+    ("param rows fewer than records", lambda f: f[f"{P}/param"].resize(4, axis=0), BROKEN),
+    ("grad rows 2**40 (ignored beyond the records)", lambda f: f[f"{P}/grad"].resize(BIG, axis=0), STILL_VALID),
+    ("state_present 2**40 columns", lambda f: f[f"{P}/state_present"].resize(BIG, axis=1), BROKEN),
+    ("state dataset shorter than its present rows",
+     lambda f: f[f"{P}/state/" + json.loads(f[f"{P}/state"].attrs["keys"])[-1]].resize(2, axis=0),
+     {"info": {0, 2}, "analyze": {0, 2}, "verify": {2}}),
+    # record index values
+    ("record index decreasing", lambda f: f[f"{P}/record"].__setitem__(slice(None), f[f"{P}/record"][()][::-1]),
+     BROKEN),
+    ("record index negative", lambda f: f[f"{P}/record"].__setitem__(0, -5), BROKEN),
+    # changed dtypes
+    ("records/step float", lambda f: _replace_dataset(f, f"{REC}/step", f[f"{REC}/step"][()].astype("f8")),
+     BROKEN),
+    ("records/step int32 (still integers)",
+     lambda f: _replace_dataset(f, f"{REC}/step", f[f"{REC}/step"][()].astype("i4")), STILL_VALID),
+    ("records/step 2-D", lambda f: _replace_dataset(f, f"{REC}/step", f[f"{REC}/step"][()][:, None]), BROKEN),
+    ("records/step strings", lambda f: _replace_dataset(f, f"{REC}/step", [b"a"] * 20), BROKEN),
+    ("records/lr 1-D", lambda f: _replace_dataset(f, f"{REC}/lr", f[f"{REC}/lr"][:, 0]), BROKEN),
+    ("records/hparams integers", lambda f: _replace_dataset(f, f"{REC}/hparams", np.arange(20)), BROKEN),
+    ("record index float", lambda f: _replace_dataset(f, f"{P}/record", f[f"{P}/record"][()].astype("f4")),
+     BROKEN),
+    ("param as int32 data", lambda f: _replace_dataset(f, f"{P}/param", f[f"{P}/param"][()].astype("i4")), BROKEN),
+    ("param as float64 data under torch_dtype float32",
+     lambda f: _replace_dataset(f, f"{P}/param", f[f"{P}/param"][()].astype("f8")), BROKEN),
+    ("param as float64 data and torch_dtype float64",
+     lambda f: _replace_dataset(f, f"{P}/param", f[f"{P}/param"][()].astype("f8"),
+                                attrs={"torch_dtype": "float64", "source_dtype": "float32"}), STILL_VALID),
+    ("param as strings", lambda f: _replace_dataset(f, f"{P}/param", np.array([b"x"] * 20)), BROKEN),
+    ("param as compound", lambda f: _replace_dataset(
+        f, f"{P}/param", np.zeros((20, 20, 64), dtype=[("a", "f4"), ("b", "i4")])), BROKEN),
+    ("param trailing shape differs", lambda f: _replace_dataset(f, f"{P}/grad", f[f"{P}/grad"][:, :, :10]), BROKEN),
+    ("state_present 1-D", lambda f: _replace_dataset(f, f"{P}/state_present", np.ones(20, "u1")), BROKEN),
+    ("a group where a dataset belongs", lambda f: (f.__delitem__(f"{REC}/wall_time"),
+                                                   f.create_group(f"{REC}/wall_time")), BROKEN),
+    ("a dataset where a group belongs", lambda f: (f.__delitem__(f"{P}/state"),
+                                                   f.create_dataset(f"{P}/state", data=[1])), BROKEN),
+    ("an optimizer named 'x'", lambda f: f.move(OPT, "optimizers/x"), BROKEN),
+    ("an external link to another file", lambda f: (f.__delitem__(f"{REC}/wall_time"), f.__setitem__(
+        f"{REC}/wall_time", h5py.ExternalLink("/etc/hostname", "/x"))), BROKEN),
+    ("a soft link loop", lambda f: (f.__delitem__(f"{OPT}/params"), f.__setitem__(
+        f"{OPT}/params", h5py.SoftLink(f"/{OPT}/params"))), BROKEN),
+    # data only: still a valid run, verify sees the corruption
+    ("param_after values changed", lambda f: f[f"{P}/param_after"].__setitem__(5, f[f"{P}/param_after"][5] * 1.5),
+     {"info": {0}, "analyze": {0}, "verify": {1}}),
+    ("NaN gradients", lambda f: f[f"{P}/grad"].__setitem__(2, np.nan), {"info": {0}, "analyze": {0}, "verify": {1}}),
+    ("unknown extra groups and attrs are ignored", lambda f: (f.create_group(f"{OPT}/stats_from_the_future"),
+                                                              f[OPT].attrs.__setitem__("novel", "x")), STILL_VALID),
+]
+
+
+def _mutate(path, mutation):
+    with h5py.File(path, "r+") as f:
+        mutation(f)
+
+
+if given is not None:
+    @FAST
+    @given(name=st.sampled_from(SAMPLES), index=st.integers(0, len(STRUCTURE_MUTATIONS) - 1))
+    def test_structure_mutations(name, index):
+        what, mutation, allowed = STRUCTURE_MUTATIONS[index]
+        with tempfile.TemporaryDirectory() as tmp:
+            path = _copy(name, tmp)
+            _mutate(path, mutation)
+            codes = check_all_commands(path, allowed, measure_memory=True)
+            if 2 in codes.values():
+                assert check_api(path) is False, (what, codes)
+
+
+@pytest.mark.parametrize("what, mutation, allowed", STRUCTURE_MUTATIONS, ids=[m[0] for m in STRUCTURE_MUTATIONS])
+def test_each_structure_mutation_on_adam(tmp_path, what, mutation, allowed):
+    """Every structure-level mutation, once, on the Adam sample (the property test mixes them over samples)."""
+    path = _copy("adam.h5", str(tmp_path))
+    _mutate(path, mutation)
+    codes = check_all_commands(path, allowed)
+    if 2 in codes.values():
+        assert check_api(path) is False, (what, codes)
+
+
+# -- the per-step statistics table (recorded with stats_every=) -----------------------------------------------
+
+ST = f"{OPT}/stats"
+
+
+def _set_stats_attr(f, name, transform):
+    f[ST].attrs[name] = json.dumps(transform(json.loads(f[ST].attrs[name])))
+
+
+def _first_param_meta(f, **changes):
+    meta = json.loads(f[ST].attrs["param_meta"])
+    meta[next(iter(meta))].update(changes)
+    f[ST].attrs["param_meta"] = json.dumps(meta)
+
+
+STATS_ONLY = {"info": {0}, "analyze": {0}, "verify": {3}}  # verify: nothing to replay without full tensors
+STATS_MUTATIONS = [
+    ("unchanged", lambda f: None, STATS_ONLY),
+    ("values with 2**40 parameter slots", lambda f: f[f"{ST}/values"].resize(BIG, axis=1), BROKEN),
+    ("values with 2**40 columns", lambda f: f[f"{ST}/values"].resize(BIG, axis=2), BROKEN),
+    ("stats/step 2**40 rows", lambda f: f[f"{ST}/step"].resize((BIG,)), BROKEN),
+    ("stats/step longer than values", lambda f: f[f"{ST}/step"].resize((9,)), BROKEN),
+    ("stats/lr with 2**40 groups", lambda f: f[f"{ST}/lr"].resize(BIG, axis=1), BROKEN),
+    ("values as integers",
+     lambda f: _replace_dataset(f, f"{ST}/values", np.nan_to_num(f[f"{ST}/values"][()]).astype("i4")), BROKEN),
+    ("values 2-D", lambda f: _replace_dataset(f, f"{ST}/values", f[f"{ST}/values"][:, 0, :]), BROKEN),
+    ("params attr garbage", lambda f: f[ST].attrs.__setitem__("params", "[["), BROKEN),
+    ("params attr missing", lambda f: f[ST].attrs.__delitem__("params"), BROKEN),
+    ("columns not strings", lambda f: f[ST].attrs.__setitem__("columns", "[1, 2, 3]"), BROKEN),
+    ("columns fewer than values' columns", lambda f: _set_stats_attr(f, "columns", lambda c: c[:-1]), BROKEN),
+    ("duplicate parameter names", lambda f: _set_stats_attr(f, "params", lambda c: [c[0]] * len(c)), BROKEN),
+    ("param_meta absurd shape", lambda f: _first_param_meta(f, shape=[2 ** 62, 2 ** 62]), BROKEN),
+    ("param_meta group a string", lambda f: _first_param_meta(f, group="g"), BROKEN),
+    ("param_meta a list", lambda f: f[ST].attrs.__setitem__("param_meta", "[1]"), BROKEN),
+    ("stats is an external link", lambda f: (f.move(ST, f"{OPT}/old_stats"),
+                                             f.__setitem__(ST, h5py.ExternalLink("/etc/hostname", "/s"))), BROKEN),
+    ("values all NaN (no parameter had a gradient)", lambda f: f[f"{ST}/values"].__setitem__(slice(None), np.nan),
+     STATS_ONLY),
+    ("no values yet (table not started)", lambda f: f.__delitem__(f"{ST}/values"), STATS_ONLY),
+]
+
+
+@pytest.fixture(scope="module")
+def stats_run(tmp_path_factory):
+    """A statistics-only run (every=None, stats_every=1): the table is the only data."""
+    import torch
+
+    from conftest import MLP, train_steps
+
+    path = str(tmp_path_factory.mktemp("stats") / "stats.h5")
+    torch.manual_seed(0)
+    model = MLP()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    with upd.record(path, model, opt, every=None, stats_every=1):
+        train_steps(model, opt, steps=6)
+    return path
+
+
+@pytest.mark.parametrize("what, mutation, allowed", STATS_MUTATIONS, ids=[m[0] for m in STATS_MUTATIONS])
+def test_statistics_table_mutations(tmp_path, stats_run, what, mutation, allowed):
+    path = str(tmp_path / "stats run.h5")
+    shutil.copy(stats_run, path)
+    _mutate(path, mutation)
+    codes = check_all_commands(path, allowed, measure_memory=True)
+    if 2 in codes.values():
+        assert check_api(path) is False, (what, codes)
+    else:
+        with upd.open_run(path) as run:
+            run.stats()
+
+
+# -- explicit examples of each listed case -------------------------------------------------------------------
+
+def test_non_hdf5_file(tmp_path):
+    path = tmp_path / "notes.h5"
+    path.write_text("this is a text file, not HDF5\n" * 100)
+    check_all_commands(path, words=("not a readable HDF5 file",))
+    assert check_api(path) is False
+
+
+def test_empty_file(tmp_path):
+    path = tmp_path / "empty.h5"
+    path.write_bytes(b"")
+    check_all_commands(path, words=("empty",))
+
+
+@pytest.mark.parametrize("cut", [1, 7, 8, 96, 512, 2048, 4096, 65536, 300_000, -4096, -1])
+def test_truncated_run(tmp_path, cut):
+    path = _copy("adam.h5", str(tmp_path))
+    size = os.path.getsize(path)
+    with open(path, "r+b") as f:
+        f.truncate(cut if cut > 0 else size + cut)
+    check_all_commands(path)
+    assert check_api(path) is False
+
+
+def test_hdf5_file_from_another_tool(tmp_path):
+    path = tmp_path / "weights.h5"
+    with h5py.File(path, "w") as f:
+        f["model/layer1/kernel"] = np.zeros((3, 3))
+        f.attrs["format"] = "keras"
+    check_all_commands(path, words=("not a torch-upd run",))
+
+
+def test_newer_format_version(tmp_path):
+    path = _copy("sgd_momentum.h5", str(tmp_path))
+    with h5py.File(path, "r+") as f:
+        f.attrs["format_version"] = 99
+    check_all_commands(path, words=("version 99", "upgrade torch-upd"))
+    assert check_api(path, words=("version 99",)) is False
+
+
+def test_directory(tmp_path):
+    check_all_commands(tmp_path, words=("directory",))
+    assert check_api(str(tmp_path)) is False
+
+
+@pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="no FIFOs here")
+def test_fifo_is_refused_without_blocking(tmp_path):
+    """A named pipe would block an open() forever: refused before anything opens it."""
+    path = tmp_path / "pipe.h5"
+    os.mkfifo(path)
+    check_all_commands(path, words=("not a regular file",))
+
+
+def test_missing_path(tmp_path):
+    check_all_commands(tmp_path / "nope.h5", words=("no such file",))
+    assert check_api(str(tmp_path / "nope.h5")) is False
+
+
+def test_permission_denied_simulated(tmp_path, monkeypatch):
+    """Root reads every file, so the permission check is simulated: os.access says no."""
+    path = _copy("adam.h5", str(tmp_path))
+    real_access = os.access
+    monkeypatch.setattr(os, "access", lambda p, mode, *a, **k: False if os.fspath(p) == path
+                        else real_access(p, mode, *a, **k))
+    check_all_commands(path, words=("permission denied",))
+    assert check_api(path, words=("permission denied",)) is False
+
+
+@pytest.mark.skipif(not hasattr(os, "geteuid") or os.geteuid() == 0, reason="root reads every file")
+def test_permission_denied_real(tmp_path):
+    path = _copy("adam.h5", str(tmp_path))
+    os.chmod(path, 0)
+    try:
+        check_all_commands(path, words=("permission denied",))
+    finally:
+        os.chmod(path, 0o644)
+
+
+def test_absurd_shape_in_meta_allocates_nothing(tmp_path):
+    path = _copy("adam.h5", str(tmp_path))
+    with h5py.File(path, "r+") as f:
+        _set_meta(f, P, shape=[2 ** 62, 2 ** 62])
+    check_all_commands(path, words=("fc1.weight",), measure_memory=True)
+
+
+def test_dataset_too_large_to_read_in_one_block(tmp_path):
+    """A declared shape no file this size can hold is refused before anything is read."""
+    path = _copy("adam.h5", str(tmp_path))
+    with h5py.File(path, "r+") as f:
+        f[f"{REC}/step"].resize((BIG,))
+    check_all_commands(path, words=("records/step",), measure_memory=True)
+
+
+def test_lazy_read_errors_name_the_file(tmp_path):
+    """Damage found only when it is read: ParamRecord.read, state_at and hparams raise RunFileError naming the file;
+    caller errors (a bad row, an unknown kind) stay IndexError/KeyError."""
+    path = _copy("adam.h5", str(tmp_path))
+    with h5py.File(path, "r+") as f:
+        _replace_dataset(f, f"{P}/grad", f[f"{P}/grad"][()], chunks=(1, 20, 64), compression="gzip")
+        chunk = f[f"{P}/grad"].id.get_chunk_info_by_coord((3, 0, 0))
+        f[f"{REC}/hparams"][4] = "{broken"
+        f[f"{P}/state/exp_avg"].resize(3, axis=0)
+    with open(path, "r+b") as f:  # garbage where grad row 3's compressed bytes were: inflate fails on read
+        f.seek(chunk.byte_offset)
+        f.write(b"\xa5" * chunk.size)
+    with upd.open_run(path) as run:
+        p = run.param("fc1.weight")
+        assert p.read("grad", 2).shape == (20, 64)
+        for call in (lambda: p.read("grad", 3), lambda: p.read("grad"), lambda: list(p.iter_blocks(["grad"])),
+                     lambda: run.optimizers[0].hparams(4), lambda: p.state_at(10), run.ratios,
+                     lambda: upd.verify(run)):
+            with pytest.raises(upd.RunFileError) as exc:
+                call()
+            assert str(exc.value).startswith(path + ":") and "\n" not in str(exc.value)
+        with pytest.raises(IndexError):
+            p.read("grad", 99)
+        with pytest.raises(KeyError):
+            p.read("nothing")
+        with pytest.raises(IndexError):
+            run.optimizers[0].hparams(99)
+    check_all_commands(path, {"info": {0}, "analyze": {2}, "verify": {2}})
+
+
+def _global_heap_collections(path: str) -> list[int]:
+    """Byte offsets of HDF5 global heap collections ("GCOL"): where every variable-length string lives."""
+    with open(path, "rb") as f:
+        data = f.read()
+    found, at = [], data.find(b"GCOL")
+    while at >= 0:
+        found.append(at)
+        at = data.find(b"GCOL", at + 1)
+    return found
+
+
+@pytest.mark.parametrize("which", [0, -1])
+def test_zeroed_global_heap_object_does_not_hang(tmp_path, which):
+    """HDF5 itself loops forever, holding the GIL, on a global heap object of size 0: 16 zeroed bytes. The reader
+    checks each collection before HDF5 parses it (found by the byte-flip property test)."""
+    path = _copy("adam.h5", str(tmp_path))
+    at = _global_heap_collections(path)[which]
+    with open(path, "r+b") as f:
+        f.seek(at + 16)  # the collection's first object header: index 0, size 0
+        f.write(bytes(16))
+    allowed = {"info": {0, 2}, "analyze": {0, 2}, "verify": {2}}  # the last collection may hold only hparams
+    codes = check_all_commands(path, allowed if which == -1 else None, words=("global heap",))
+    assert 2 in codes.values()
+
+
+def _peak_rss_mib() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+@pytest.mark.parametrize("where", ["root meta attribute", "hparams element"])
+def test_corrupted_string_length_allocates_nothing(tmp_path, where):
+    """HDF5 allocates (and zeroes) the length a stored string reference claims before reading the string: one
+    corrupted 4-byte length is a 4 GiB allocation. The reader reads the stored references first and refuses
+    (found by the byte-flip property test: 3 GB peak RSS, 1.5 s per command)."""
+    import struct
+
+    path = _copy("adam.h5", str(tmp_path))
+    with h5py.File(path, "r") as f:
+        meta = f.attrs["meta"].encode()
+        chunk = f[f"{REC}/hparams"].id.get_chunk_info_by_coord((0,))
+    data = bytearray(open(path, "rb").read())
+    if where == "root meta attribute":  # the reference (length, heap collection, index) in the root object header
+        at = data.find(struct.pack("<IQ", len(meta), _global_heap_collections(path)[0]))
+    else:  # the first element of records/hparams, in its chunk
+        at = chunk.byte_offset
+    assert at > 0
+    data[at:at + 4] = struct.pack("<I", 0xF0000000)
+    open(path, "wb").write(data)
+    before = _peak_rss_mib()
+    allowed = None if where == "root meta attribute" else {"info": {0}, "analyze": {0}, "verify": {2}}
+    check_all_commands(path, allowed, words=("claims a string of 4026531840 bytes",))
+    assert _peak_rss_mib() - before < 512
+
+
+def test_compressed_chunk_with_corrupted_size_allocates_nothing(tmp_path):
+    """A compressed chunk's stored size comes from the chunk index: a corrupted one claims 4 GiB. HDF5 checks it
+    against the end of the file before allocating; the reader reports that in its one line."""
+    import struct
+
+    path = _copy("adam.h5", str(tmp_path))
+    with h5py.File(path, "r+") as f:
+        _replace_dataset(f, f"{P}/grad", f[f"{P}/grad"][()], chunks=(1, 20, 64), compression="gzip")
+        chunk = f[f"{P}/grad"].id.get_chunk_info_by_coord((3, 0, 0))
+    data = bytearray(open(path, "rb").read())
+    # v1 B-tree key of that chunk: size (4), filter mask (4), offsets (3 + 1) x 8, then the chunk's address (8)
+    key = struct.pack("<II4Q", chunk.size, 0, 3, 0, 0, 0) + struct.pack("<Q", chunk.byte_offset)
+    at = data.find(key)
+    assert at > 0
+    data[at:at + 4] = struct.pack("<I", 0xF0000000)
+    open(path, "wb").write(data)
+    before = _peak_rss_mib()
+    with upd.open_run(path) as run:
+        p = run.param("fc1.weight")
+        assert p.read("grad", 2).shape == (20, 64)
+        with pytest.raises(upd.RunFileError, match="'grad' rows 3 of parameter 'fc1.weight'"):
+            p.read("grad", 3)
+    check_all_commands(path, {"info": {0}, "analyze": {2}, "verify": {2}}, words=("fc1.weight",))
+    assert _peak_rss_mib() - before < 512
+
+
+def test_flight_dumps_hostile(tmp_path):
+    path = _copy("adam.h5", str(tmp_path))
+    with h5py.File(path, "r+") as f:
+        f["flight_dumps"] = np.arange(3)
+    with upd.open_run(path) as run, pytest.raises(upd.RunFileError, match="flight_dumps"):
+        run.dumps
+    with h5py.File(path, "r+") as f:
+        del f["flight_dumps"]
+        f.create_dataset("flight_dumps", data=["[" * 10000, "{}"], dtype=h5py.string_dtype())
+    with upd.open_run(path) as run, pytest.raises(upd.RunFileError, match="flight_dumps"):
+        run.dumps
+
+
+def test_real_subprocesses_one_line_exit_2(tmp_path):
+    """`python -m upd` as a user runs it, under a 2 GiB address-space limit: one line on stderr, exit 2."""
+    trunc = _copy("adam.h5", str(tmp_path))
+    with open(trunc, "r+b") as f:
+        f.truncate(100_000)
+    absurd = tmp_path / "absurd.h5"
+    shutil.copy(sample_path("sgd_momentum.h5"), absurd)
+    with h5py.File(absurd, "r+") as f:
+        f[f"{REC}/lr"].resize(BIG, axis=1)
+    newer = tmp_path / "newer.h5"
+    shutil.copy(sample_path("adamw_onecycle_two_groups.h5"), newer)
+    with h5py.File(newer, "r+") as f:
+        f.attrs["format_version"] = 99
+
+    def limit():
+        resource.setrlimit(resource.RLIMIT_AS, (2 << 30, 2 << 30))
+
+    procs = [(cmd, path, subprocess.Popen([sys.executable, "-m", "upd", *cmd, str(path)], stdout=subprocess.PIPE,
+                                          stderr=subprocess.PIPE, text=True, preexec_fn=limit))
+             for cmd, path in ((("info",), trunc), (("analyze", "--no-plots"), absurd), (("verify",), newer))]
+    for cmd, path, proc in procs:
+        out, err = proc.communicate(timeout=120)
+        assert_one_line_error(cmd, path, proc.returncode, out, err)
+
+
+def test_valid_samples_still_read():
+    for name in SAMPLES:
+        codes = check_all_commands(sample_path(name), {"info": {0}, "analyze": {0}, "verify": {0}})
+        assert codes == {"info": 0, "analyze": 0, "verify": 0}
+
+
+def test_peak_memory_of_this_process_stays_bounded():
+    """Whatever ran above, nothing in this process ever touched gigabytes (ru_maxrss is in KiB on Linux)."""
+    assert resource.getrusage(resource.RUSAGE_SELF).ru_maxrss < 3 * 1024 * 1024

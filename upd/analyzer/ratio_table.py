@@ -1,0 +1,116 @@
+"""Update:data and grad:data ratios. Pure functions on tensors, plus the streaming DataFrame builder."""
+from __future__ import annotations
+
+import numpy as np
+import pandas as pd
+import torch
+
+from ..runfile import schema
+
+RATIO_TABLE_COLUMNS = ["optimizer", "param", "record", "step", "lr", "numel", "update_to_data", "grad_to_data",
+                 "update_std", "param_std", "grad_std", "update_norm", "grad_norm", "param_norm",
+                 "grad_nonfinite", "flag"]
+
+
+def row_std(x: torch.Tensor) -> torch.Tensor:
+    """Unbiased std of each row of a (rows, ...) tensor, like torch.Tensor.std() on each recorded tensor."""
+    flat = x.reshape(x.shape[0], -1).double()
+    if flat.shape[1] < 2:
+        return torch.full((x.shape[0],), float("nan"), dtype=torch.float64)
+    return flat.std(dim=1)
+
+
+def row_norm(x: torch.Tensor) -> torch.Tensor:
+    return x.reshape(x.shape[0], -1).double().norm(dim=1)
+
+
+def log10_ratio(numerator: torch.Tensor, denominator: torch.Tensor) -> torch.Tensor:
+    """log10(numerator / denominator): -inf when the numerator is 0, +inf (or NaN for 0/0) when the denominator is."""
+    return torch.log10(numerator / denominator)
+
+
+def ratio_flags(numel: int, param_std, update_std, grad_nonfinite) -> list[str]:
+    """Why a ratio is not a plain finite number, per row ('' when it is)."""
+    flags = []
+    for p_std, u_std, bad in zip(param_std, update_std, grad_nonfinite):
+        reasons = []
+        if numel < 2:
+            reasons.append("one-element")
+        else:
+            if p_std == 0:
+                reasons.append("zero-param-std")
+            if u_std == 0:
+                reasons.append("zero-update")
+        if bad:
+            reasons.append("nonfinite-grad")
+        if not reasons and not (np.isfinite(p_std) and np.isfinite(u_std)):
+            reasons.append("nonfinite")
+        flags.append(",".join(reasons))
+    return flags
+
+
+def block_ratios(before: torch.Tensor | None, after: torch.Tensor | None, grad: torch.Tensor | None,
+                 rows: int) -> dict[str, np.ndarray]:
+    """All per-row statistics of one block of a parameter's history (tensors shaped (rows, *param_shape))."""
+    nan = torch.full((rows,), float("nan"), dtype=torch.float64)
+    param_std = row_std(before) if before is not None else nan
+    param_norm = row_norm(before) if before is not None else nan
+    if before is not None and after is not None:
+        update = after.double() - before.double()
+        update_std, update_norm = row_std(update), row_norm(update)
+    else:
+        update_std = update_norm = nan
+    if grad is not None:
+        grad_std, grad_norm = row_std(grad), row_norm(grad)
+        grad_nonfinite = (~torch.isfinite(grad.reshape(rows, -1))).sum(dim=1)
+    else:
+        grad_std = grad_norm = nan
+        grad_nonfinite = torch.zeros(rows, dtype=torch.int64)
+    return {
+        "update_to_data": log10_ratio(update_std, param_std).numpy(),
+        "grad_to_data": log10_ratio(grad_std, param_std).numpy(),
+        "update_std": update_std.numpy(), "param_std": param_std.numpy(), "grad_std": grad_std.numpy(),
+        "update_norm": update_norm.numpy(), "grad_norm": grad_norm.numpy(), "param_norm": param_norm.numpy(),
+        "grad_nonfinite": grad_nonfinite.numpy(),
+    }
+
+
+def ratios_frame(run, block_bytes: int) -> pd.DataFrame:
+    frames = []
+    kinds = (schema.KIND_PARAM, schema.KIND_PARAM_AFTER, schema.KIND_GRAD)
+    for opt in run.optimizers:
+        for p in opt.params.values():
+            if p.rows == 0:
+                continue
+            for rows, block in p.iter_blocks(kinds, block_bytes):
+                n = rows.stop - rows.start
+                stats = block_ratios(block.get(schema.KIND_PARAM), block.get(schema.KIND_PARAM_AFTER),
+                                     block.get(schema.KIND_GRAD), n)
+                records = p.records[rows]
+                group = p.param_group if p.param_group is not None else 0
+                lr = opt.lr[records, group] if opt.lr.ndim == 2 and group < opt.lr.shape[1] else np.nan
+                df = pd.DataFrame({"optimizer": opt.index, "param": p.name, "record": records,
+                                   "step": opt.step[records], "lr": lr, "numel": p.numel, **stats})
+                df["flag"] = ratio_flags(p.numel, stats["param_std"], stats["update_std"], stats["grad_nonfinite"])
+                frames.append(df)
+    if not frames:
+        return pd.DataFrame(columns=RATIO_TABLE_COLUMNS)
+    return pd.concat(frames, ignore_index=True)[RATIO_TABLE_COLUMNS]
+
+
+def ratios_from_stats(stats: pd.DataFrame, numel: dict) -> pd.DataFrame:
+    """The Run.ratios() table computed from the statistics (same columns; record is -1: no full-tensor record)."""
+    if stats.empty:
+        return pd.DataFrame(columns=RATIO_TABLE_COLUMNS)
+    get = lambda c: stats[c] if c in stats else pd.Series(np.nan, index=stats.index)  # noqa: E731
+    out = pd.DataFrame({
+        "optimizer": stats["optimizer"], "param": stats["param"], "record": -1, "step": stats["step"],
+        "lr": stats["lr"], "numel": [numel.get((o, p), 0) for o, p in zip(stats["optimizer"], stats["param"])],
+        "update_to_data": get("update_to_data"), "grad_to_data": get("grad_to_data"),
+        "update_std": get("update_std"), "param_std": get("param_std"), "grad_std": get("grad_std"),
+        "update_norm": get("update_norm"), "grad_norm": get("grad_norm"), "param_norm": get("param_norm"),
+        "grad_nonfinite": get("grad_nonfinite").fillna(0).astype(np.int64),
+    })
+    out["flag"] = [ratio_flags(n, [p], [u], [g])[0] for n, p, u, g in
+                   zip(out["numel"], out["param_std"], out["update_std"], out["grad_nonfinite"])]
+    return out[RATIO_TABLE_COLUMNS]

@@ -1,0 +1,378 @@
+"""HDF5 writing off the training thread: a RunWriter driven by one background thread through a bounded queue.
+
+Measured (../shared/notes/hdf5-measurements.md): writing full tensors inline slowed an emulated training loop by
++24%; handing copied snapshots to a background thread through a bounded queue of 2 cost +5%, because h5py releases
+the GIL inside the actual write. ``AsyncRunWriter`` is that design:
+
+* ``write(rec)`` puts the snapshot on a ``queue.Queue(maxsize=max_pending)`` and returns. When the queue is full it
+  blocks until the writer thread takes one: training waits rather than memory growing. At most ``max_pending``
+  snapshots are queued plus the one being written. The time spent waiting is ``blocked_seconds``; if it keeps
+  growing, the writer's sustained rate is below bytes per step / step time.
+* Everything that touches HDF5 (opening the file, ``add_optimizer``, ``set_attr``, every record, ``close``) runs on
+  the one writer thread, in the order it was called. ``RunWriter.write`` keeps the commit protocol (rows, flush,
+  then the step marker, flush), so a reader never sees a half-written record.
+* An exception on the writer thread is not lost: the first one is kept, the file is closed, nothing more is
+  written, and it is raised (the same exception object) from the next ``write()`` (and every later one);
+  ``close()`` raises it if no call has raised it yet. ``add_dump`` (called during training) is queued like a
+  record. Opening the file, ``add_optimizer``, ``set_attr``, ``optimizer_meta``, ``last_step`` (setup and
+  teardown calls; any other RunWriter method is forwarded the same way) wait for their result, so their errors
+  surface at the call.
+* The thread is a daemon, so a process never hangs on it; an ``atexit`` handler drains and closes writers that are
+  still open at exit (it holds them through a ``WeakSet``, so writers can still be garbage collected; a collected
+  writer finishes its queue and closes its file on its own thread).
+
+The caller hands over ownership of each record: it must not modify a snapshot's tensors after ``write()``. The
+recorder's snapshots are fresh CPU copies, so this holds.
+"""
+from __future__ import annotations
+
+import atexit
+import functools
+import os
+import queue
+import threading
+import time
+import warnings
+import weakref
+from concurrent.futures import Future
+
+import torch
+
+from . import encoding
+from .writer import RecordSnapshot, RunWriter
+
+_STOP = object()  # the last item a worker takes: close the file and exit
+_WRITE = "write"
+_CALL = "call"
+_POLL_SECONDS = 0.05  # how often a blocked put checks that the writer thread is still alive
+
+
+class _SnapshotQueue(queue.Queue):
+    """A queue.Queue that also counts the records in it, under the queue's own lock (so the count is exact)."""
+
+    def _init(self, maxsize):
+        super()._init(maxsize)
+        self.records = 0
+
+    def _put(self, item):
+        super()._put(item)
+        if item is not _STOP and item[0] == _WRITE:
+            self.records += 1
+
+    def _get(self):
+        item = super()._get()
+        if item is not _STOP and item[0] == _WRITE:
+            self.records -= 1
+        return item
+
+
+class _Shared:
+    """State the writer thread and the AsyncRunWriter share. The thread holds this, never the AsyncRunWriter itself,
+    so an abandoned writer can be garbage collected."""
+
+    def __init__(self, writer):
+        self.lock = threading.Lock()
+        self.writer = writer
+        self.error: BaseException | None = None  # the first exception on the writer thread
+        self.reported = False  # the error has been raised on a caller's thread
+        self.records_written = 0
+        self.bytes_written = 0
+        self.stopping = False  # set when the writer was garbage collected: drain, close, exit without a join
+        self.stopped = False  # no item put after this is ever processed
+
+
+@functools.lru_cache(maxsize=None)
+def _itemsize(torch_dtype: torch.dtype, storage: str) -> int:
+    return encoding.storage_numpy_dtype(torch_dtype, storage)[0].itemsize
+
+
+def _stored_bytes(rec: RecordSnapshot, storage: str) -> int:
+    """Bytes of values the record puts in the file: tensors after the dtype= conversion (before any compression),
+    plus 4 bytes per statistic. Small bookkeeping (record table, indices, JSON) is not counted."""
+    total = 4 * sum(len(values) for values in (getattr(rec, "stats", None) or {}).values())
+    if not getattr(rec, "full", True):
+        return total
+    for snap in rec.params:
+        for tensor in (snap.param, snap.grad, snap.param_after):
+            if tensor is not None:
+                total += tensor.numel() * _itemsize(tensor.dtype, storage)
+        for tensor in snap.state.values():
+            total += tensor.numel() * _itemsize(tensor.dtype, encoding.state_storage_dtype(tensor, storage))
+    return total
+
+
+def _open_writer(shared: _Shared, args: tuple, kwargs: dict) -> None:
+    shared.writer = RunWriter(*args, **kwargs)
+
+
+def _writer_method(shared: _Shared, name: str, *args, **kwargs):
+    return getattr(shared.writer, name)(*args, **kwargs)
+
+
+def _worker(q: _SnapshotQueue, shared: _Shared) -> None:
+    try:
+        while True:
+            item = q.get()
+            if item is _STOP:
+                break
+            kind, payload, future = item
+            item = None
+            if shared.error is not None:  # failed before: write nothing more, but answer anyone waiting
+                if future is not None:
+                    future.set_exception(shared.error)
+            else:
+                try:
+                    if kind == _WRITE:
+                        shared.writer.write(payload)
+                        nbytes = _stored_bytes(payload, getattr(shared.writer, "storage_dtype", "keep"))
+                        with shared.lock:
+                            shared.records_written += 1
+                            shared.bytes_written += nbytes
+                    else:
+                        result = payload()
+                        if future is not None:
+                            future.set_result(result)
+                except BaseException as exc:  # kept for the training thread; this thread must go on draining
+                    shared.error = exc
+                    if future is not None:
+                        future.set_exception(exc)
+                    _abort(shared.writer)  # nothing more is written: release the file now
+            # Drop the snapshot before waiting for the next one: the queue bound is also the memory bound.
+            payload = future = result = None
+            if shared.stopping and q.empty():
+                break
+    finally:
+        shared.stopped = True
+        if shared.error is not None:
+            _abort(shared.writer)
+        else:
+            try:
+                if shared.writer is not None:
+                    shared.writer.close()
+            except BaseException as exc:
+                shared.error = exc
+                _abort(shared.writer)
+        _orphans.discard(threading.current_thread())
+
+
+def _abort(writer) -> None:
+    """Close a writer that failed, writing nothing more (RunWriter.abort: no flush into a broken file)."""
+    try:
+        if writer is not None:
+            (getattr(writer, "abort", None) or writer.close)()
+    except BaseException:
+        pass  # a second error after the first: the first is the one reported
+
+
+def _release(q: _SnapshotQueue, thread: threading.Thread, shared: _Shared) -> None:
+    """Finalizer of a writer that was garbage collected without close(): let its thread drain the queue, close
+    the file and exit. It must not block or join: the collection may run on the writer thread itself, or on a
+    thread holding h5py's lock that the writer thread needs."""
+    shared.stopping = True
+    _orphans.add(thread)
+    try:
+        q.put_nowait(_STOP)
+    except queue.Full:
+        pass  # the queue is not empty, so the thread is not waiting: it sees `stopping` once it has drained
+
+
+_live: "weakref.WeakSet[AsyncRunWriter]" = weakref.WeakSet()  # open writers, for the atexit handler
+_orphans: set = set()  # threads of collected writers, still draining
+
+
+@atexit.register
+def _close_all_at_exit() -> None:
+    for writer in list(_live):
+        try:
+            writer.close()
+        except BaseException as exc:
+            warnings.warn(f"torch-upd: writing {writer.path} failed ({type(exc).__name__}: {exc}); records after "
+                          "the failure are missing", RuntimeWarning)
+    for thread in list(_orphans):
+        thread.join()
+
+
+class AsyncRunWriter:
+    """A :class:`RunWriter` whose HDF5 writes happen on one background thread, fed by a bounded queue.
+
+    ``AsyncRunWriter(path, meta, overwrite=..., storage_dtype=..., compression=..., max_pending=2)`` takes the
+    RunWriter arguments and opens the file (on the writer thread; errors such as FileExistsError are raised here).
+    ``AsyncRunWriter(writer=run_writer, max_pending=2)`` wraps a RunWriter that is already open; it must not be
+    used directly afterwards.
+
+    Same interface as RunWriter for the recorder: ``write(rec)``, ``set_attr(name, value)``,
+    ``add_optimizer(index, meta)``, ``optimizer_meta(index)``, ``last_step(index)``, ``add_dump(info)``,
+    ``close()``, ``abort()``. Also ``pending`` (records queued, not yet taken by the writer thread),
+    ``records_written``, ``bytes_written`` (values those records put in the file, see ``_stored_bytes``),
+    ``blocked_seconds`` (total time ``write()`` waited for queue space) and ``error`` (the writer thread's first
+    exception).
+    """
+
+    def __init__(self, *args, max_pending: int = 2, writer: RunWriter | None = None, **kwargs):
+        if not isinstance(max_pending, int) or max_pending < 1:
+            raise ValueError(f"max_pending must be a positive integer, got {max_pending!r}")
+        if writer is not None and (args or kwargs):
+            raise TypeError("pass either a RunWriter (writer=) or the arguments to open one, not both")
+        self.max_pending = max_pending
+        self.path = os.fspath(writer.path if writer is not None else args[0] if args else kwargs["path"])
+        self.blocked_seconds = 0.0
+        self._closed = False
+        self._close_lock = threading.RLock()  # a signal handler may call close() inside close()
+        self._queue = _SnapshotQueue(maxsize=max_pending)
+        self._shared = _Shared(writer)
+        self._thread = threading.Thread(target=_worker, args=(self._queue, self._shared), daemon=True,
+                                        name=f"upd-writer {os.path.basename(self.path)}")
+        self._thread.start()
+        self._finalizer = weakref.finalize(self, _release, self._queue, self._thread, self._shared)
+        self._finalizer.atexit = False  # exit is _close_all_at_exit's job: it drains and joins
+        _live.add(self)
+        if writer is None:
+            try:
+                self._call(_open_writer, self._shared, args, kwargs)
+            except BaseException:
+                self._shutdown()
+                raise
+
+    # -- what the training thread sees ---------------------------------------------------------------------------
+    @property
+    def pending(self) -> int:
+        """Records queued and not yet taken by the writer thread (at most max_pending)."""
+        with self._queue.mutex:
+            return self._queue.records
+
+    @property
+    def records_written(self) -> int:
+        return self._shared.records_written
+
+    @property
+    def bytes_written(self) -> int:
+        """Bytes of tensor values (as stored: after dtype=, before compression) and statistics written so far."""
+        return self._shared.bytes_written
+
+    @property
+    def error(self) -> BaseException | None:
+        """The first exception raised on the writer thread, if any."""
+        return self._shared.error
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def _raise_if_failed(self) -> None:
+        shared = self._shared
+        if shared.error is not None:
+            shared.reported = True
+            raise shared.error
+
+    def _check_open(self, what: str) -> None:
+        if self._closed or self._shared.stopped:
+            raise ValueError(f"{what} on a closed AsyncRunWriter ({self.path})")
+
+    def _put(self, item, count_blocked: bool = False) -> bool:
+        """Put an item, waiting while the queue is full; True if it had to wait."""
+        try:
+            self._queue.put_nowait(item)
+            return False
+        except queue.Full:
+            pass
+        start = time.perf_counter()
+        try:
+            while True:
+                try:
+                    self._queue.put(item, timeout=_POLL_SECONDS)
+                    return True
+                except queue.Full:
+                    if not self._thread.is_alive():
+                        raise RuntimeError(f"the writer thread for {self.path} is gone") from None
+        finally:
+            if count_blocked:
+                self.blocked_seconds += time.perf_counter() - start
+
+    def _call(self, fn, *args, **kwargs):
+        """Run fn(*args, **kwargs) on the writer thread, after everything queued before it; return its result."""
+        self._raise_if_failed()
+        self._check_open("a call")
+        future: Future = Future()
+        self._put((_CALL, functools.partial(fn, *args, **kwargs), future))
+        try:
+            return future.result()
+        except BaseException as exc:
+            if exc is self._shared.error:
+                self._shared.reported = True
+            raise
+
+    # -- the RunWriter interface ---------------------------------------------------------------------------------
+    def write(self, rec: RecordSnapshot) -> None:
+        """Queue one record; blocks while max_pending records are already queued. Raises the writer thread's first
+        error, if there was one; the record is then not written."""
+        self._raise_if_failed()
+        self._check_open("write()")
+        if self._put((_WRITE, rec, None), count_blocked=True):
+            self._raise_if_failed()  # the writer failed while we waited: say so now rather than a step later
+
+    def add_dump(self, info: dict) -> None:
+        """Queue a flight-recorder dump entry after the records queued before it. Called during training, so it
+        does not wait: its error, if any, surfaces like a record's."""
+        self._raise_if_failed()
+        self._check_open("add_dump()")
+        self._put((_CALL, functools.partial(_writer_method, self._shared, "add_dump", info), None))
+
+    # Everything else runs on the writer thread too, after what is queued, and returns its result (or raises its
+    # error) to the caller. These are setup/teardown calls, so waiting costs nothing and errors show at the call.
+    def add_optimizer(self, index: int, meta: dict) -> None:
+        self._call(_writer_method, self._shared, "add_optimizer", index, meta)
+
+    def set_attr(self, name: str, value) -> None:
+        self._call(_writer_method, self._shared, "set_attr", name, value)
+
+    def optimizer_meta(self, index: int):
+        return self._call(_writer_method, self._shared, "optimizer_meta", index)
+
+    def last_step(self, index: int):
+        return self._call(_writer_method, self._shared, "last_step", index)
+
+    def __getattr__(self, name: str):
+        # Any other public method of the wrapped writer is forwarded the same way (RunWriter keeps growing).
+        shared = self.__dict__.get("_shared")
+        if name.startswith("_") or shared is None or not callable(getattr(type(shared.writer), name, None)):
+            raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+        return functools.partial(self._call, _writer_method, shared, name)
+
+    def _shutdown(self) -> None:
+        with self._close_lock:
+            if self._closed:
+                return
+            self._closed = True
+            self._finalizer.detach()
+            _live.discard(self)
+            if self._thread.is_alive():
+                self._put(_STOP)  # after every queued record: this drains the queue
+                self._thread.join()
+
+    def abort(self) -> None:
+        """Close after a failure elsewhere (the recorder's ``_fail``); never raises. Records already handed to
+        ``write()`` are still written if the writer is healthy (the synchronous writer had written them too); after
+        a writer error nothing more is written and the file is closed without a flush."""
+        try:
+            self._shutdown()
+        except BaseException:
+            pass
+
+    def close(self) -> None:
+        """Write everything queued, close the file and end the thread. Safe to call twice. Raises the writer
+        thread's first error if no call has raised it yet."""
+        self._shutdown()
+        shared = self._shared
+        if shared.error is not None and not shared.reported:
+            shared.reported = True
+            raise shared.error
+
+    def __enter__(self) -> "AsyncRunWriter":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        state = "closed" if self._closed else f"open, {self.pending} pending"
+        return f"<upd AsyncRunWriter {self.path!r} {state}, {self.records_written} records written>"

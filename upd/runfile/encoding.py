@@ -1,0 +1,111 @@
+"""How values are encoded in the run file: JSON text for metadata, numpy dtypes for tensors (bfloat16 as raw bits).
+
+The torch -> numpy dtype map lives here and nowhere else; docs/format.md describes the same encoding.
+"""
+from __future__ import annotations
+
+import json
+import math
+from typing import Any
+
+import numpy as np
+import torch
+
+from .schema import MAX_META_BYTES
+
+
+def to_json(obj: Any) -> str:
+    return json.dumps(jsonable(obj), sort_keys=True, allow_nan=True)
+
+
+def from_json(text: Any) -> Any:
+    if isinstance(text, bytes):
+        text = text.decode("utf-8")
+    if not isinstance(text, str):
+        raise ValueError(f"expected a JSON string, found {type(text).__name__}")
+    if len(text) > MAX_META_BYTES:
+        raise ValueError(f"JSON attribute of {len(text)} bytes exceeds the {MAX_META_BYTES} byte limit")
+    return json.loads(text)
+
+
+def jsonable(value: Any) -> Any:
+    """Turn a hyperparameter or metadata value into plain JSON types.
+
+    Tensor hyperparameters (a tensor lr, tensor betas) become {"tensor": value, "dtype": ...} so a replay can tell
+    them apart from Python floats; anything else unknown becomes {"repr": ...} rather than failing the record.
+    """
+    if value is None or isinstance(value, (bool, int, str)):
+        return value
+    if isinstance(value, float):
+        return value
+    if isinstance(value, torch.Tensor):
+        data = value.detach().cpu()
+        return {"tensor": data.double().tolist() if data.is_floating_point() else data.tolist(),
+                "dtype": str(data.dtype).replace("torch.", "")}
+    if isinstance(value, (list, tuple)):
+        return [jsonable(v) for v in value]
+    if isinstance(value, dict):
+        return {str(k): jsonable(v) for k, v in value.items()}
+    if isinstance(value, torch.dtype):
+        return str(value).replace("torch.", "")
+    if isinstance(value, (np.floating, np.integer, np.bool_)):
+        return value.item()
+    return {"repr": repr(value)}
+
+
+def hparam_value(value: Any) -> Any:
+    """The numeric value of a JSON-encoded hyperparameter (tensor hyperparameters unwrapped to floats/lists)."""
+    if isinstance(value, dict) and "tensor" in value:
+        return value["tensor"]
+    if isinstance(value, list):
+        return [hparam_value(v) for v in value]
+    return value
+
+
+def lr_of(group_hparams: dict) -> float:
+    lr = hparam_value(group_hparams.get("lr", math.nan))
+    try:
+        return float(lr)
+    except (TypeError, ValueError):
+        return math.nan
+
+
+def storage_numpy_dtype(torch_dtype: torch.dtype, storage: str) -> tuple[np.dtype, str]:
+    """(numpy dtype on disk, torch dtype name it represents) for a tensor of torch_dtype under a storage choice."""
+    if storage == "keep" or not torch_dtype.is_floating_point:
+        target = torch_dtype
+    else:
+        target = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}[storage]
+    if target == torch.bfloat16:
+        return np.dtype(np.uint16), "bfloat16"
+    return np.dtype(torch.empty((), dtype=target).numpy().dtype), str(target).replace("torch.", "")
+
+
+def state_storage_dtype(tensor: torch.Tensor, storage: str) -> str:
+    """Storage choice for one optimizer-state tensor under the user's dtype= option.
+
+    Scalar state (step counters) is kept exact: bfloat16 cannot count past 256. float16 state is widened to
+    float32: second moments (~1e-3 * grad^2) fall below float16's normal range and would replay as zeros.
+    """
+    if tensor.dim() == 0:
+        return "keep"
+    if storage == "float16":
+        return "float32"
+    return storage
+
+
+def tensor_to_numpy(tensor: torch.Tensor, torch_dtype_name: str) -> np.ndarray:
+    """CPU tensor -> numpy array in the storage encoding named by torch_dtype_name."""
+    target = getattr(torch, torch_dtype_name)
+    tensor = tensor.to(target)
+    if target == torch.bfloat16:
+        return tensor.view(torch.uint16).numpy()
+    return tensor.numpy()
+
+
+def numpy_to_tensor(array: np.ndarray, torch_dtype_name: str) -> torch.Tensor:
+    """Inverse of tensor_to_numpy."""
+    array = np.ascontiguousarray(array)
+    if torch_dtype_name == "bfloat16":
+        return torch.from_numpy(array.view(np.uint16).copy()).view(torch.bfloat16)
+    return torch.from_numpy(array.copy())
