@@ -5,6 +5,7 @@ import numpy as np
 import pandas as pd
 import torch
 
+from ..ratios import GRAD_TO_DATA, UPDATE_TO_DATA, grad_to_data, update_to_data
 from ..runfile import schema
 
 RATIO_TABLE_COLUMNS = ["optimizer", "param", "record", "step", "lr", "numel", "update_to_data", "grad_to_data",
@@ -22,11 +23,6 @@ def row_std(x: torch.Tensor) -> torch.Tensor:
 
 def row_norm(x: torch.Tensor) -> torch.Tensor:
     return x.reshape(x.shape[0], -1).double().norm(dim=1)
-
-
-def log10_ratio(numerator: torch.Tensor, denominator: torch.Tensor) -> torch.Tensor:
-    """log10(numerator / denominator): -inf when the numerator is 0, +inf (or NaN for 0/0) when the denominator is."""
-    return torch.log10(numerator / denominator)
 
 
 def ratio_flags(numel: int, param_std, update_std, grad_nonfinite) -> list[str]:
@@ -67,8 +63,8 @@ def block_ratios(before: torch.Tensor | None, after: torch.Tensor | None, grad: 
         grad_std = grad_norm = nan
         grad_nonfinite = torch.zeros(rows, dtype=torch.int64)
     return {
-        "update_to_data": log10_ratio(update_std, param_std).numpy(),
-        "grad_to_data": log10_ratio(grad_std, param_std).numpy(),
+        UPDATE_TO_DATA: update_to_data(update_std.numpy(), param_std.numpy()),
+        GRAD_TO_DATA: grad_to_data(grad_std.numpy(), param_std.numpy()),
         "update_std": update_std.numpy(), "param_std": param_std.numpy(), "grad_std": grad_std.numpy(),
         "update_norm": update_norm.numpy(), "grad_norm": grad_norm.numpy(), "param_norm": param_norm.numpy(),
         "grad_nonfinite": grad_nonfinite.numpy(),

@@ -12,7 +12,6 @@ import torch
 
 # Statistics of one tensor, in this order (columns "<kind>_<stat>" in the run file).
 STATS = ("mean", "std", "norm", "absmax", "zero_frac", "nonfinite")
-RATIO_COLUMNS = ("update_to_data", "grad_to_data")
 NONFINITE = STATS.index("nonfinite")
 SPARSE_LAYOUTS = (torch.sparse_coo, torch.sparse_csr, torch.sparse_csc, torch.sparse_bsr, torch.sparse_bsc)
 
@@ -171,19 +170,3 @@ def count_nonfinite(host: torch.Tensor, tensors: list) -> None:
     values = iter(torch.stack(present).cpu().tolist()) if present else iter(())
     for i, c in zip(flagged, counts):
         host[i, NONFINITE] = next(values) if c is not None else float("nan")
-
-
-def columns_for(state_keys: list[str]) -> list[str]:
-    kinds = ["param", "grad", "update"] + [f"state.{k}" for k in state_keys]
-    return [f"{kind}_{stat}" for kind in kinds for stat in STATS] + list(RATIO_COLUMNS)
-
-
-def log10_ratio(numerator: float, denominator: float) -> float:
-    """log10(numerator/denominator) with the same conventions as the tensor path: -inf for 0/x, inf for x/0."""
-    if math.isnan(numerator) or math.isnan(denominator):
-        return math.nan
-    if denominator == 0:
-        return math.nan if numerator == 0 else math.inf
-    if numerator == 0:
-        return -math.inf
-    return math.log10(numerator / denominator)

@@ -21,7 +21,8 @@ import torch
 
 from .. import __version__
 from ..runfile import encoding, schema
-from .device_stats import SPARSE_LAYOUTS, STATS, count_nonfinite, log10_ratio, stats_rows, to_host
+from ..ratios import GRAD_TO_DATA, UPDATE_TO_DATA, grad_to_data, update_to_data
+from .device_stats import SPARSE_LAYOUTS, STATS, count_nonfinite, stats_rows, to_host
 from ..integrations.tensorboard import TensorBoardSink
 from ..runfile.async_writer import AsyncRunWriter
 from ..runfile.writer import ParamSnapshot, RecordSnapshot, RunWriter  # noqa: F401  (tests swap RunWriter)
@@ -86,17 +87,6 @@ def _install_exit_handlers() -> None:
 
 
 _FINISH_SIGNAL = None
-
-
-def _class_path(cls: type) -> str:
-    return f"{cls.__module__}.{cls.__qualname__}"
-
-
-def _optimizer_class_name(optimizer: torch.optim.Optimizer) -> str:
-    cls = type(optimizer)
-    # torch.optim.Adam lives in torch.optim.adam; name it the way users write it when that is the same object.
-    public = getattr(torch.optim, cls.__name__, None)
-    return f"torch.optim.{cls.__name__}" if public is cls else _class_path(cls)
 
 
 def _group_hparams(group: dict) -> dict:
@@ -244,8 +234,8 @@ class Recorder:
         try:
             for i, opt in enumerate(optimizers):
                 opt_meta = {
-                    "class": _optimizer_class_name(opt),
-                    "mro": [_class_path(c) for c in type(opt).__mro__ if issubclass(c, torch.optim.Optimizer)],
+                    "class": encoding.class_path(type(opt)),
+                    "mro": [encoding.defining_path(c) for c in type(opt).__mro__ if issubclass(c, torch.optim.Optimizer)],
                     "defaults": encoding.jsonable({k: v for k, v in opt.defaults.items() if k != "params"}),
                     "initial_step": self._steps_done[i],
                     "params": self._param_layout(i, opt),
@@ -536,8 +526,8 @@ class Recorder:
                 values[f"{kind}_{stat}"] = v
         for values in out.values():
             p_std = values.get("param_std", float("nan"))
-            values["update_to_data"] = log10_ratio(values.get("update_std", float("nan")), p_std)
-            values["grad_to_data"] = log10_ratio(values.get("grad_std", float("nan")), p_std)
+            values[UPDATE_TO_DATA] = float(update_to_data(values.get("update_std", float("nan")), p_std))
+            values[GRAD_TO_DATA] = float(grad_to_data(values.get("grad_std", float("nan")), p_std))
         return out
 
     @staticmethod

@@ -17,9 +17,11 @@ from __future__ import annotations
 import importlib
 from dataclasses import dataclass, field
 from importlib import metadata
-from typing import Callable, Union
+from typing import Callable
 
 import torch
+
+from ..runfile.encoding import class_path
 
 
 class NotReplayable(Exception):
@@ -61,13 +63,6 @@ _RULES: dict[str, list[ReplayRule]] = {}
 
 DEFAULT_RTOL = 1e-5
 DEFAULT_ULPS = 4.0
-
-
-def class_path(cls: Union[type, str]) -> str:
-    if isinstance(cls, str):
-        return cls
-    public = getattr(torch.optim, cls.__name__, None)
-    return f"torch.optim.{cls.__name__}" if public is cls else f"{cls.__module__}.{cls.__qualname__}"
 
 
 def _version_tuple(version: str | None) -> tuple:

@@ -109,3 +109,18 @@ def numpy_to_tensor(array: np.ndarray, torch_dtype_name: str) -> torch.Tensor:
     if torch_dtype_name == "bfloat16":
         return torch.from_numpy(array.view(np.uint16).copy()).view(torch.bfloat16)
     return torch.from_numpy(array.copy())
+
+
+def class_path(cls: type | str) -> str:
+    """How the run file names a class: ``torch.optim.Adam`` for torch's optimizers (the way users write it, when
+    ``torch.optim.<name>`` is that class), else ``module.QualifiedName``. A string is taken as already named."""
+    if isinstance(cls, str):
+        return cls
+    public = getattr(torch.optim, cls.__name__, None)
+    return f"torch.optim.{cls.__name__}" if public is cls else defining_path(cls)
+
+
+def defining_path(cls: type) -> str:
+    """``module.QualifiedName`` of the module that defines cls (``torch.optim.adam.Adam``): the optimizer's MRO
+    is stored this way, so a rule registered for a base class is found whatever public alias it has."""
+    return f"{cls.__module__}.{cls.__qualname__}"
