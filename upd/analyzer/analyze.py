@@ -30,7 +30,7 @@ def analyze(run, out_dir=None, *, thresholds: Thresholds = Thresholds(), hist_st
         run = open_run(run)
     try:
         ratios = run.ratios()
-        summary = summarize(ratios, run.params, thresholds)
+        summary = summarize(ratios, run.params(), thresholds)
         plots = []
         if out_dir is not None:
             from .plots import render_all  # matplotlib is imported only when plots are asked for

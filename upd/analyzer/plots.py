@@ -80,7 +80,7 @@ def render_all(run, ratios: pd.DataFrame, out_dir: str, *, thresholds: Threshold
                all_params: bool = False) -> list[str]:
     """The standard set: update:data and grad:data over steps, and gradient/weight histograms at one step."""
     os.makedirs(out_dir, exist_ok=True)
-    params = run.params
+    params = run.params()
     paths = [
         plot_ratio(ratios, params, "update_to_data", os.path.join(out_dir, "update_to_data.png"),
                    title="update:data ratio, log10(std(update) / std(weight))", thresholds=thresholds,
@@ -102,9 +102,9 @@ def histogram_tensors(run, step: int | None, all_params: bool = False):
     grads, weights = {}, {}
     chosen = None
     for p in run.iter_params():
-        if not (all_params or is_weight(p.shape)) or p.rows == 0:
+        if not (all_params or is_weight(p.shape)) or p.num_rows == 0:
             continue
-        steps = p.optimizer.step[p.records]
+        steps = p.optimizer.steps[p.records]
         if step is None:
             row = len(steps) - 1
         else:

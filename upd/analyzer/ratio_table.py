@@ -75,8 +75,8 @@ def ratios_frame(run, block_bytes: int) -> pd.DataFrame:
     frames = []
     kinds = (schema.KIND_PARAM, schema.KIND_PARAM_AFTER, schema.KIND_GRAD)
     for opt in run.optimizers:
-        for p in opt.params.values():
-            if p.rows == 0:
+        for p in opt.param_records.values():
+            if p.num_rows == 0:
                 continue
             for rows, block in p.iter_blocks(kinds, block_bytes):
                 n = rows.stop - rows.start
@@ -84,9 +84,10 @@ def ratios_frame(run, block_bytes: int) -> pd.DataFrame:
                                      block.get(schema.KIND_GRAD), n)
                 records = p.records[rows]
                 group = p.param_group if p.param_group is not None else 0
-                lr = opt.lr[records, group] if opt.lr.ndim == 2 and group < opt.lr.shape[1] else np.nan
+                lrs = opt.learning_rates
+                lr = lrs[records, group] if lrs.ndim == 2 and group < lrs.shape[1] else np.nan
                 df = pd.DataFrame({"optimizer": opt.index, "param": p.name, "record": records,
-                                   "step": opt.step[records], "lr": lr, "numel": p.numel, **stats})
+                                   "step": opt.steps[records], "lr": lr, "numel": p.numel, **stats})
                 df["flag"] = ratio_flags(p.numel, stats["param_std"], stats["update_std"], stats["grad_nonfinite"])
                 frames.append(df)
     if not frames:

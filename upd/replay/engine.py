@@ -171,15 +171,15 @@ def _verify_optimizer(run: Run, opt, rtol, ulps, rows: list, problems: list, not
                                f"{len(hparams_cache[record])} param group(s), no group {group}")
         return hparams_cache[record][group]
 
-    for p in opt.params.values():
+    for p in opt.param_records.values():
         base = {"optimizer": opt.index, "param": p.name}
         missing = [k for k in (schema.KIND_PARAM, schema.KIND_GRAD, schema.KIND_PARAM_AFTER) if k not in p.kinds]
         eps = storage_eps(p.storage_dtype(schema.KIND_PARAM_AFTER))
         reduced = eps > _SPACING["float32"]
         limits = []
-        for row in range(p.rows):
+        for row in range(p.num_rows):
             record = int(p.records[row])
-            check = dict(base, record=record, step=int(opt.step[record]), status="skipped", max_abs_err=float("nan"),
+            check = dict(base, record=record, step=int(opt.steps[record]), status="skipped", max_abs_err=float("nan"),
                          update_rel_err=float("nan"), err_to_tol=float("nan"), state_checked=False,
                          state_err_to_tol=float("nan"), note="")
             rows.append(check)
@@ -197,12 +197,12 @@ def _verify_optimizer(run: Run, opt, rtol, ulps, rows: list, problems: list, not
             grad = p.read(schema.KIND_GRAD, row).double()
             after = p.read(schema.KIND_PARAM_AFTER, row).double()
             state = {k: v.double() for k, v in p.state_at(row).items()} if state_recorded else None
-            if state is None and int(opt.step[record]) != 0:
+            if state is None and int(opt.steps[record]) != 0:
                 check["note"] = "optimizer state not recorded (what= excluded 'state')"
                 continue
             try:
                 replayed = rule.fn(before, grad, state or {}, group_of(record, p.param_group or 0),
-                                   int(opt.step[record]))
+                                   int(opt.steps[record]))
             except NotReplayable as exc:
                 check["note"] = str(exc)
                 continue
@@ -210,7 +210,7 @@ def _verify_optimizer(run: Run, opt, rtol, ulps, rows: list, problems: list, not
                 raise
             except Exception as exc:  # the recorded values (from the file) are not what the rule can work with
                 raise RunFileError(f"{run.path}: optimizer {opt.index} parameter {p.name!r} step "
-                                   f"{int(opt.step[record])}: replay rule {rule.name} failed on the recorded "
+                                   f"{int(opt.steps[record])}: replay rule {rule.name} failed on the recorded "
                                    f"values ({type(exc).__name__}: {exc})") from exc
             rule_rtol = (replayed.rtol or rule.rtol) if rtol is None else rtol
             rule_ulps = rule.ulps if ulps is None else ulps
@@ -250,7 +250,7 @@ def _verify_optimizer(run: Run, opt, rtol, ulps, rows: list, problems: list, not
                     return alt_state_ratio is None or alt_state_ratio <= 1.0
 
                 why = explain(rule.fn, before, grad, after, state or {}, group_of(record, p.param_group or 0),
-                              int(opt.step[record]), next_state, matches)
+                              int(opt.steps[record]), next_state, matches)
                 what = "recorded update differs from the replayed one" if not param_ok else \
                     "next record's optimizer state differs from the replayed state"
                 check["note"] = what + (f": {why}" if why else "")
@@ -265,7 +265,7 @@ def _verify_optimizer(run: Run, opt, rtol, ulps, rows: list, problems: list, not
 def _next_row(p, opt, row: int, record: int) -> int | None:
     """The row of the very next optimizer step for this parameter, if it was recorded."""
     nxt = row + 1
-    if nxt >= p.rows or int(p.records[nxt]) != record + 1 or int(opt.step[record + 1]) != int(opt.step[record]) + 1:
+    if nxt >= p.num_rows or int(p.records[nxt]) != record + 1 or int(opt.steps[record + 1]) != int(opt.steps[record]) + 1:
         return None
     return nxt
 

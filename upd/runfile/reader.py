@@ -5,6 +5,7 @@ import atexit
 import json
 import os
 import stat
+import warnings
 import weakref
 from functools import cached_property
 from typing import Iterator
@@ -355,6 +356,54 @@ def _size(nbytes: int) -> str:
     return f"{nbytes} bytes"
 
 
+DUMP_COLUMNS = ["optimizer", "reason", "trigger_step", "steps", "wall_time"]
+
+
+def _deprecated(old: str, new: str, stacklevel: int = 3) -> None:
+    warnings.warn(f"{old} is deprecated and will be removed in the next release; use {new}", DeprecationWarning,
+                  stacklevel=stacklevel)
+
+
+class _TableMethod:
+    """What ``run.params``, ``run.steps`` and ``run.dumps`` return: call it for the table (the API's convention is
+    that every DataFrame comes from a method, like ``ratios()`` and ``stats()``).
+
+    These three were attributes before that convention: code that still uses one as the table (indexing,
+    ``len``, iteration, any DataFrame attribute) keeps working for one release, with a DeprecationWarning."""
+
+    __slots__ = ("_make", "_name", "_legacy")
+
+    def __init__(self, make, name: str, legacy=None):
+        self._make, self._name, self._legacy = make, name, legacy or make
+
+    def __call__(self) -> pd.DataFrame:
+        return self._make()
+
+    def _old_value(self):
+        _deprecated(f"Run.{self._name} used as an attribute", f"Run.{self._name}() (a method call)", stacklevel=4)
+        return self._legacy()
+
+    def __getattr__(self, name):
+        return getattr(self._old_value(), name)
+
+    def __getitem__(self, key):
+        return self._old_value()[key]
+
+    def __len__(self) -> int:
+        return len(self._old_value())
+
+    def __iter__(self):
+        return iter(self._old_value())
+
+    def __eq__(self, other):
+        return self._old_value() == other
+
+    __hash__ = None
+
+    def __repr__(self) -> str:
+        return f"<bound table Run.{self._name}(): call it for the DataFrame>"
+
+
 class ParamRecord:
     """One parameter's recorded history inside one optimizer."""
 
@@ -395,10 +444,10 @@ class ParamRecord:
             if ds.shape[1:] != self.shape:
                 raise check.fail(f"{where}: dataset {kind!r}", f"has shape {ds.shape}: rows of {list(ds.shape[1:])}, "
                                                               f"but the parameter's shape is {list(self.shape)}")
-            if ds.shape[0] < self.rows:
+            if ds.shape[0] < self.num_rows:
                 raise check.fail(f"{where}: dataset {kind!r}", f"has {ds.shape[0]} rows, fewer than the parameter's "
-                                                              f"{self.rows} committed records")
-            check.readable(ds, 1 if self.rows else 0, f"{where}: dataset {kind!r}")
+                                                              f"{self.num_rows} committed records")
+            check.readable(ds, 1 if self.num_rows else 0, f"{where}: dataset {kind!r}")
             self._storage[kind] = check.tensor_dtype(ds, f"{where}: dataset {kind!r}")
         self._state_keys: list[str] = []
         self._state_dtypes: dict[str, str | None] = {}
@@ -418,8 +467,14 @@ class ParamRecord:
                 check.readable(present, 1, f"{where}: dataset 'state_present'")
 
     @property
-    def rows(self) -> int:
+    def num_rows(self) -> int:
+        """Rows stored (one per committed record that holds this parameter); index them with ``read``."""
         return len(self.records)
+
+    @property
+    def rows(self) -> int:
+        _deprecated("ParamRecord.rows", "ParamRecord.num_rows")
+        return self.num_rows
 
     @property
     def numel(self) -> int:
@@ -432,10 +487,6 @@ class ParamRecord:
     @cached_property
     def state_keys(self) -> list[str]:
         return list(self._state_keys)
-
-    def row_of(self, record: int) -> int | None:
-        hits = np.nonzero(self.records == record)[0]
-        return int(hits[0]) if len(hits) else None
 
     def _reading(self, what: str) -> _Reading:
         return _Reading(self.optimizer.run.path,
@@ -470,21 +521,21 @@ class ParamRecord:
 
     def _clip(self, rows):
         if isinstance(rows, slice):
-            start, stop, step = rows.indices(self.rows)
+            start, stop, step = rows.indices(self.num_rows)
             return slice(start, stop, step)
         if isinstance(rows, (int, np.integer)):
-            if not -self.rows <= rows < self.rows:
-                raise IndexError(f"{self.name}: row {rows} out of range ({self.rows} rows)")
-            return int(rows) % self.rows
+            if not -self.num_rows <= rows < self.num_rows:
+                raise IndexError(f"{self.name}: row {rows} out of range ({self.num_rows} rows)")
+            return int(rows) % self.num_rows
         index = np.asarray(rows)
         if index.dtype.kind == "b":
-            if index.shape != (self.rows,):
-                raise IndexError(f"{self.name}: boolean row mask of shape {index.shape}, expected ({self.rows},)")
+            if index.shape != (self.num_rows,):
+                raise IndexError(f"{self.name}: boolean row mask of shape {index.shape}, expected ({self.num_rows},)")
             index = np.nonzero(index)[0]
         if index.ndim != 1 or (len(index) and index.dtype.kind not in "iu"):
             raise IndexError(f"{self.name}: rows must be an int, a slice or a 1-D sequence of ints")
-        if len(index) and (index.min() < 0 or index.max() >= self.rows):
-            raise IndexError(f"{self.name}: rows out of range ({self.rows} rows)")
+        if len(index) and (index.min() < 0 or index.max() >= self.num_rows):
+            raise IndexError(f"{self.name}: rows out of range ({self.num_rows} rows)")
         if (np.diff(index) <= 0).any():
             raise IndexError(f"{self.name}: a sequence of rows must be increasing")
         return index.astype(np.intp)
@@ -525,12 +576,12 @@ class ParamRecord:
     def iter_blocks(self, kinds, block_bytes: int = DEFAULT_BLOCK_BYTES) -> Iterator[tuple[slice, dict]]:
         """Yield (row slice, {kind: tensor}) over the whole history, a bounded number of rows at a time."""
         step = self.block_rows(block_bytes, max(1, len(kinds)))
-        for start in range(0, self.rows, step):
-            rows = slice(start, min(start + step, self.rows))
+        for start in range(0, self.num_rows, step):
+            rows = slice(start, min(start + step, self.num_rows))
             yield rows, {k: self.read(k, rows) for k in kinds if self._has(k)}
 
     def __repr__(self) -> str:
-        return f"<ParamRecord {self.name} {list(self.shape)} {self.rows} rows>"
+        return f"<ParamRecord {self.name} {list(self.shape)} {self.num_rows} rows>"
 
 
 def _rows_text(rows) -> str:
@@ -570,10 +621,10 @@ class OptimizerRun:
         check.readable(found["lr"], self.num_records, rec % "lr", sparse=_SPARSE)
         closure = check.dataset(records, "closure_losses", rec % "closure_losses", "string", rank=1, required=False)
         with check.reading(f"{where}: the record table"):
-            self.step = step_ds[()].astype(np.int64, copy=False)
-            self.backward_pass = found["backward_pass"][: self.num_records]
-            self.wall_time = found["wall_time"][: self.num_records]
-            self.lr = found["lr"][: self.num_records]
+            self.steps = step_ds[()].astype(np.int64, copy=False)
+            self.backward_passes = found["backward_pass"][: self.num_records]
+            self.wall_times = found["wall_time"][: self.num_records]
+            self.learning_rates = found["lr"][: self.num_records]
         self._hparams_ds = found["hparams"]
         self._closure_ds = closure
         self.class_name = self.meta.get("class", "?")
@@ -581,14 +632,14 @@ class OptimizerRun:
         records = [ParamRecord(self, name, check.child(params, name, f"{where}: parameter {name!r}", h5py.Group),
                            check)
                    for name in check.members(params, f"{where}: group 'params'")]
-        groups = self.lr.shape[1]
+        groups = self.learning_rates.shape[1]
         for p in records:
-            if p.rows and (p.param_group or 0) >= groups:
+            if p.num_rows and (p.param_group or 0) >= groups:
                 raise check.fail(f"{where}: parameter {p.name!r}", f"param group {p.param_group or 0} does not exist "
                                                                    f"(records/lr has {groups} group column(s))")
         # HDF5 lists names alphabetically (layers.10 before layers.3); show them in the optimizer's order.
         records.sort(key=lambda p: (p.param_group or 0, p.meta.get("index_in_group") or 0))
-        self.params: dict[str, ParamRecord] = {p.name: p for p in records}
+        self.param_records: dict[str, ParamRecord] = {p.name: p for p in records}
         with check.reading(f"{where}: group 'stats'"):
             has_stats = _link_type(group, "stats") is not None  # the link itself: never follows it
         if has_stats:  # the per-step statistics table (stats_table reads it)
@@ -624,12 +675,35 @@ class OptimizerRun:
                                f"JSON list or null")
         return value
 
-    def record_of_step(self, step: int) -> int | None:
-        hits = np.nonzero(self.step == step)[0]
-        return int(hits[0]) if len(hits) else None
+    # Names before the naming convention (see Run): kept one release, with a DeprecationWarning.
+    @property
+    def params(self) -> dict:
+        _deprecated("OptimizerRun.params", "OptimizerRun.param_records")
+        return self.param_records
+
+    @property
+    def step(self) -> np.ndarray:
+        _deprecated("OptimizerRun.step", "OptimizerRun.steps")
+        return self.steps
+
+    @property
+    def backward_pass(self) -> np.ndarray:
+        _deprecated("OptimizerRun.backward_pass", "OptimizerRun.backward_passes")
+        return self.backward_passes
+
+    @property
+    def wall_time(self) -> np.ndarray:
+        _deprecated("OptimizerRun.wall_time", "OptimizerRun.wall_times")
+        return self.wall_times
+
+    @property
+    def lr(self) -> np.ndarray:
+        _deprecated("OptimizerRun.lr", "OptimizerRun.learning_rates")
+        return self.learning_rates
 
     def __repr__(self) -> str:
-        return f"<OptimizerRun {self.index} {self.class_name}: {len(self.params)} params, {self.num_records} records>"
+        return (f"<OptimizerRun {self.index} {self.class_name}: {len(self.param_records)} params, "
+                f"{self.num_records} records>")
 
 
 def _check_stats(check: "_Validator", group: h5py.Group, where: str) -> None:
@@ -1055,26 +1129,44 @@ class Run:
 
     def param(self, name: str, optimizer: int | None = None) -> ParamRecord:
         for opt in self.optimizers:
-            if (optimizer is None or opt.index == optimizer) and name in opt.params:
-                return opt.params[name]
+            if (optimizer is None or opt.index == optimizer) and name in opt.param_records:
+                return opt.param_records[name]
         raise KeyError(f"{self.path}: no parameter {name!r}")
 
     def iter_params(self) -> Iterator[ParamRecord]:
         for opt in self.optimizers:
-            yield from opt.params.values()
+            yield from opt.param_records.values()
+
+    # -- tables: every DataFrame is a method call (it reads the file); see _TableMethod for the old attributes ----
+    @property
+    def params(self) -> "_TableMethod":
+        """``run.params()``: one row per recorded parameter (optimizer, param, shape, numel, dtype, group, rows,
+        kinds, state)."""
+        return _TableMethod(self._params_table, "params")
 
     @property
-    def params(self) -> pd.DataFrame:
-        """One row per recorded parameter: optimizer, param, shape, numel, dtype, group, rows, kinds, state."""
+    def steps(self) -> "_TableMethod":
+        """``run.steps()``: one row per committed record (optimizer, record, step, backward_pass, wall_time, lr per
+        param group)."""
+        return _TableMethod(self._steps_table, "steps")
+
+    @property
+    def dumps(self) -> "_TableMethod":
+        """``run.dumps()``: the flight-recorder dumps, one row each (optimizer, reason, trigger_step, steps,
+        wall_time)."""
+        return _TableMethod(lambda: pd.DataFrame(self._dump_entries(), columns=DUMP_COLUMNS), "dumps",
+                            legacy=self._dump_entries)
+
+    def _params_table(self) -> pd.DataFrame:
         rows = [{"optimizer": p.optimizer.index, "param": p.name, "shape": p.shape, "numel": p.numel,
-                 "dtype": p.dtype, "group": p.param_group, "rows": p.rows,
+                 "dtype": p.dtype, "group": p.param_group, "rows": p.num_rows,
                  "kinds": ",".join(p.kinds), "state": ",".join(p.state_keys)}
                 for p in self.iter_params()]
         for opt in self.optimizers:  # parameters that only have per-step statistics
             with self._reading(f"the statistics table of optimizer {opt.index}"):
                 stats_meta = stats_param_meta(opt)
             for name, meta in stats_meta.items():
-                if name not in opt.params:
+                if name not in opt.param_records:
                     shape = tuple(meta.get("shape") or ())
                     rows.append({"optimizer": opt.index, "param": name, "shape": shape,
                                  "numel": int(np.prod(shape)) if shape else 1, "dtype": meta.get("dtype"),
@@ -1082,15 +1174,14 @@ class Run:
         return pd.DataFrame(rows, columns=["optimizer", "param", "shape", "numel", "dtype", "group", "rows",
                                            "kinds", "state"])
 
-    @property
-    def steps(self) -> pd.DataFrame:
-        """One row per committed record: optimizer, record, step, backward_pass, wall_time, lr per param group."""
+    def _steps_table(self) -> pd.DataFrame:
         frames = []
         for opt in self.optimizers:
-            df = pd.DataFrame({"optimizer": opt.index, "record": np.arange(opt.num_records), "step": opt.step,
-                               "backward_pass": opt.backward_pass, "wall_time": opt.wall_time})
-            for g in range(opt.lr.shape[1] if opt.lr.ndim == 2 else 0):
-                df[f"lr_group{g}"] = opt.lr[:, g]
+            df = pd.DataFrame({"optimizer": opt.index, "record": np.arange(opt.num_records), "step": opt.steps,
+                               "backward_pass": opt.backward_passes, "wall_time": opt.wall_times})
+            lrs = opt.learning_rates
+            for g in range(lrs.shape[1] if lrs.ndim == 2 else 0):
+                df[f"lr_group{g}"] = lrs[:, g]
             frames.append(df)
         return pd.concat(frames, ignore_index=True) if frames else pd.DataFrame(
             columns=["optimizer", "record", "step", "backward_pass", "wall_time"])
@@ -1105,7 +1196,7 @@ class Run:
         """What the file holds, as plain data (what `upd info` prints)."""
         optimizers = []
         for opt in self.optimizers:
-            steps = opt.step
+            steps = opt.steps
             with self._reading(f"the statistics table of optimizer {opt.index}"):
                 stats_steps, stats_meta = committed_stats_rows(opt), stats_param_meta(opt)
             optimizers.append({
@@ -1113,14 +1204,14 @@ class Run:
                 "stats_steps": stats_steps,
                 "first_step": int(steps[0]) if len(steps) else None,
                 "last_step": int(steps[-1]) if len(steps) else None,
-                "param_groups": int(opt.lr.shape[1]) if opt.lr.ndim == 2 else 0,
+                "param_groups": int(opt.learning_rates.shape[1]) if opt.learning_rates.ndim == 2 else 0,
                 "defaults": opt.meta.get("defaults", {}),
                 "params": [{"name": p.name, "shape": list(p.shape), "dtype": p.dtype, "group": p.param_group,
-                            "rows": p.rows, "kinds": p.kinds, "state": p.state_keys,
-                            "stored_as": p.storage_dtype()} for p in opt.params.values()]
+                            "rows": p.num_rows, "kinds": p.kinds, "state": p.state_keys,
+                            "stored_as": p.storage_dtype()} for p in opt.param_records.values()]
                 + [{"name": name, "shape": list(meta.get("shape") or []), "dtype": meta.get("dtype"),
                     "group": meta.get("group"), "rows": 0, "kinds": [], "state": [], "stored_as": None}
-                   for name, meta in stats_meta.items() if name not in opt.params],
+                   for name, meta in stats_meta.items() if name not in opt.param_records],
             })
         return {"path": self.path, "live": self.live, "size_bytes": self.size_bytes,
                 "format_version": self.format_version, "torch_version": self.torch_version,
@@ -1150,14 +1241,12 @@ class Run:
         if use_stats:
             with self._reading("the statistics table"):
                 stats = stats_frame(self)
-            numel = {(r.optimizer, r.param): r.numel for r in self.params.itertuples()}
+            numel = {(r.optimizer, r.param): r.numel for r in self._params_table().itertuples()}
             parts.append(ratios_from_stats(stats[stats["optimizer"].isin(use_stats)], numel))
         parts = [p for p in parts if len(p)]
         return pd.concat(parts, ignore_index=True) if parts else ratios_frame(self, block_bytes)
 
-    @property
-    def dumps(self) -> list[dict]:
-        """Flight-recorder dumps: optimizer, reason, trigger_step, steps written, wall_time."""
+    def _dump_entries(self) -> list[dict]:
         check = self._validator()
         ds = check.dataset(self._file, "flight_dumps", "dataset 'flight_dumps'", "string", rank=1, required=False)
         if ds is None:
