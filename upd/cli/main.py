@@ -15,8 +15,9 @@ from ..analyzer.analyze import analyze as analyze_run
 from ..analyzer.summary import Thresholds, format_summary
 from ..demo import makemore
 from ..integrations.tensorboard import export_ratios
-from ..replay import load_plugins
-from ..replay.engine import EXIT_UNUSABLE, verify as verify_run
+from ..replay import ReplayRuleError, load_plugins
+from ..replay.engine import EXIT_RULE_FAILED, EXIT_UNUSABLE, verify as verify_run
+from ..replay.registry import check_tolerances
 from ..runfile.reader import RunFileError, open_run
 
 EXIT_CODES = """\b
@@ -26,6 +27,8 @@ Exit codes:
   2  unusable input: missing or unreadable file, not a torch-upd run, bad option
   3  verify: nothing verifiable (no replay rule for the optimizer, or what the
      replay needs was not recorded)
+  4  verify: a replay rule failed (raised an error: a bug in the rule, named
+     with the step and parameter, not in the run file)
 """
 
 
@@ -188,10 +191,19 @@ def verify(run, rtol, ulps, as_json, csv_path, rule_modules):
     another lr, weight decay dropped or doubled) reproduces the record.
     """
     try:
+        check_tolerances(rtol, ulps)
+    except ValueError as exc:
+        _fail(f"--{exc}")
+    try:
         load_plugins(rule_modules)
     except Exception as exc:
         _fail(f"could not load replay rules: {type(exc).__name__}: {exc}")
-    report = verify_run(run, rtol=rtol, ulps=ulps)
+    try:
+        report = verify_run(run, rtol=rtol, ulps=ulps)
+    except ReplayRuleError as exc:
+        if os.environ.get("UPD_DEBUG"):
+            raise
+        _fail(f"{exc} (set UPD_DEBUG=1 for the rule's traceback)", EXIT_RULE_FAILED)
     if csv_path:
         report.checks.to_csv(csv_path, index=False)
     if as_json:

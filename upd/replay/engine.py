@@ -1,26 +1,49 @@
 """The verifier: replay each recorded step with the optimizer's own math and compare with what was recorded.
 
-The engine knows nothing about any optimizer: it reads records, asks ``upd.replay`` for the rule of the recorded
-optimizer class, and compares. Tolerances are documented in docs/verify.md.
+``check_step`` replays one (step, parameter) record and returns its ``Check``; ``verify`` asks the registry for the
+rule of each recorded optimizer class and assembles the checks into a ``VerifyReport``. The engine knows nothing
+about any optimizer. Tolerances are documented in docs/verify.md.
 """
 from __future__ import annotations
 
+import math
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 
 import pandas as pd
 import torch
 
 from ..runfile import encoding, schema
-from .registry import NotReplayable, lookup, registered
+from ..runfile.reader import OptimizerRun, ParamRecord, Run, RunFileError, open_run
 from .explain import explain
-from ..runfile.reader import Run, RunFileError, open_run
+from .registry import (NotReplayable, ReplayRule, ReplayRuleError, UnusableRecord, check_tolerances, lookup,
+                       registered, same_shape)
 
-# Exit codes of `upd verify` (documented in README and `upd verify --help`).
-EXIT_MATCH, EXIT_MISMATCH, EXIT_UNUSABLE, EXIT_NOTHING_VERIFIABLE = 0, 1, 2, 3
+# Exit codes of `upd verify` (documented in README, docs/verify.md and `upd --help`).
+EXIT_MATCH, EXIT_MISMATCH, EXIT_UNUSABLE, EXIT_NOTHING_VERIFIABLE, EXIT_RULE_FAILED = 0, 1, 2, 3, 4
 
-CHECK_COLUMNS = ["optimizer", "param", "record", "step", "status", "max_abs_err", "update_rel_err", "err_to_tol",
-                 "state_checked", "state_err_to_tol", "note"]
+
+@dataclass
+class Check:
+    """The result of replaying one (step, parameter) record: one row of ``VerifyReport.checks``."""
+
+    optimizer: int
+    param: str
+    record: int
+    step: int
+    status: str = "skipped"  # "match", "mismatch" or "skipped"
+    max_abs_err: float = math.nan
+    update_rel_err: float = math.nan
+    err_to_tol: float = math.nan
+    state_checked: bool = False
+    state_err_to_tol: float = math.nan
+    note: str = ""
+    # Reduced-precision storage only: the tolerance relative to the update's size (median), for the report's
+    # precision notes; not a column.
+    precision_limit: float | None = None
+
+
+CHECK_COLUMNS = [f.name for f in fields(Check) if f.name != "precision_limit"]
 
 _SPACING = {"float64": torch.finfo(torch.float64).eps, "float32": torch.finfo(torch.float32).eps,
             "float16": torch.finfo(torch.float16).eps, "bfloat16": torch.finfo(torch.bfloat16).eps}
@@ -57,8 +80,31 @@ def compare(replayed: torch.Tensor, recorded: torch.Tensor, scale: float, *, eps
     return float(err.max()), float((err / tol).max())
 
 
-def unwrap_hparams(group: dict) -> dict:
-    return {k: encoding.hparam_value(v) for k, v in group.items()}
+def _one_element_as_number(data):
+    """A tensor hyperparameter's values: the number itself for a tensor of one element (torch accepts
+    lr=torch.tensor([0.1])), the (nested) list for a tensor of several."""
+    single = data
+    while isinstance(single, list) and len(single) == 1:
+        single = single[0]
+    return data if isinstance(single, list) else single
+
+
+def replay_value(value):
+    """A JSON-decoded hyperparameter as rules take it: tensor hyperparameters unwrapped, lists element-wise."""
+    if isinstance(value, list):
+        return [replay_value(v) for v in value]
+    if isinstance(value, dict):  # a tensor hyperparameter, or a value the recorder could only describe
+        return _one_element_as_number(encoding.hparam_value(value))
+    return value
+
+
+def replay_hparams(group: dict) -> dict:
+    return {k: replay_value(v) for k, v in group.items()}
+
+
+def _largest(t: torch.Tensor) -> float:
+    """The largest finite magnitude in t (0 for an empty tensor): the scale tolerances are relative to."""
+    return float(t.abs().nan_to_num(posinf=0.0).max()) if t.numel() else 0.0
 
 
 @dataclass
@@ -137,137 +183,178 @@ class VerifyReport:
 def verify(run, *, rtol: float | None = None, ulps: float | None = None) -> VerifyReport:
     """Replay every recorded step of every optimizer and compare with the recorded result.
 
-    ``run`` is a path or an open ``upd.Run``. ``rtol``/``ulps`` override each rule's documented tolerance.
+    ``run`` is a path or an open ``upd.Run``. ``rtol``/``ulps`` override each rule's documented tolerance (finite,
+    >= 0: ValueError otherwise). Raises ``RunFileError`` for an unusable file and ``upd.replay.ReplayRuleError``
+    when a replay rule raises (a bug in the rule).
     """
+    check_tolerances(rtol, ulps)
     own = not isinstance(run, Run)
     if own:
         run = open_run(run)
     try:
-        rows, problems, notes = [], [], []
+        checks, problems, notes = [], [], []
         for opt in run.optimizers:
-            _verify_optimizer(run, opt, rtol, ulps, rows, problems, notes)
-        checks = pd.DataFrame(rows, columns=CHECK_COLUMNS)
-        return VerifyReport(path=os.fspath(run.path), checks=checks, problems=problems, precision_notes=notes,
+            replay = OptimizerReplay.of(run, opt, rtol=rtol, ulps=ulps)
+            if replay.rule is None:
+                problems.append(f"optimizer {opt.index} ({opt.class_name}, torch {run.torch_version}) has no replay "
+                                f"rule; registered: {', '.join(registered())}")
+            for p in opt.param_records.values():
+                param_checks = [check_step(replay, p, row) for row in range(p.num_rows)]
+                checks += param_checks
+                note = _precision_note(p, param_checks)
+                if note:
+                    notes.append(note)
+        table = pd.DataFrame([{c: getattr(check, c) for c in CHECK_COLUMNS} for check in checks],
+                             columns=CHECK_COLUMNS)
+        return VerifyReport(path=os.fspath(run.path), checks=table, problems=problems, precision_notes=notes,
                             params_not_optimized=list(run.params_not_optimized), live=run.live)
     finally:
         if own:
             run.close()
 
 
-def _verify_optimizer(run: Run, opt, rtol, ulps, rows: list, problems: list, notes: list) -> None:
-    rule = lookup(opt.class_name, opt.meta.get("mro", ()), run.torch_version)
-    state_recorded = "state" in run.options.get("what", schema.WHAT_CHOICES)
+@dataclass
+class OptimizerReplay:
+    """What the checks of one recorded optimizer share: its rule, tolerance overrides, decoded param groups."""
+
+    run: Run
+    opt: OptimizerRun
+    rule: ReplayRule | None
+    state_recorded: bool
+    rtol: float | None = None
+    ulps: float | None = None
+    _groups: dict = field(default_factory=dict)  # record -> that record's param groups, as rules take them
+
+    @classmethod
+    def of(cls, run: Run, opt: OptimizerRun, *, rtol=None, ulps=None) -> OptimizerReplay:
+        return cls(run=run, opt=opt, rule=lookup(opt.class_name, opt.meta.get("mro", ()), run.torch_version),
+                   state_recorded="state" in run.options.get("what", schema.WHAT_CHOICES), rtol=rtol, ulps=ulps)
+
+    def group(self, record: int, index: int) -> dict:
+        if record not in self._groups:
+            self._groups[record] = [replay_hparams(g) for g in self.opt.hparams(record)]
+        groups = self._groups[record]
+        if index >= len(groups):
+            raise RunFileError(f"{self.run.path}: optimizer {self.opt.index}: records/hparams[{record}] has "
+                               f"{len(groups)} param group(s), no group {index}")
+        return groups[index]
+
+
+def check_step(replay: OptimizerReplay, p: ParamRecord, row: int) -> Check:
+    """Replay one recorded (step, parameter) and compare it with the record: the parameter after the step, and,
+    when the next step was recorded, the optimizer state and the parameter before it."""
+    opt, rule = replay.opt, replay.rule
+    record = int(p.records[row])
+    step = int(opt.steps[record])
+    check = Check(optimizer=opt.index, param=p.name, record=record, step=step)
+    missing = [k for k in (schema.KIND_PARAM, schema.KIND_GRAD, schema.KIND_PARAM_AFTER) if k not in p.kinds]
     if rule is None:
-        reason = (f"optimizer {opt.index} ({opt.class_name}, torch {run.torch_version}) has no replay rule; registered: "
-                  f"{', '.join(registered())}")
-        problems.append(reason)
-    hparams_cache: dict[int, list] = {}
+        check.note = f"no replay rule for {opt.class_name}"
+        return check
+    if missing:
+        check.note = f"{', '.join(missing)} not recorded"
+        return check
+    if str(p.dtype or "").startswith("complex"):
+        # torch replays complex parameters as (real, imag) pairs; the rules work on real tensors only
+        check.note = f"complex parameters ({p.dtype}) are not replayed"
+        return check
+    before = p.read(schema.KIND_PARAM, row).double()
+    grad = p.read(schema.KIND_GRAD, row).double()
+    after = p.read(schema.KIND_PARAM_AFTER, row).double()
+    if not replay.state_recorded and step != 0:
+        check.note = "optimizer state not recorded (what= excluded 'state')"
+        return check
+    state = {k: v.double() for k, v in p.state_at(row).items()} if replay.state_recorded else {}
+    group = replay.group(record, p.param_group or 0)
+    where = f"optimizer {opt.index}, parameter {p.name!r}, step {step}"
+    try:
+        replayed = rule.replay(before, grad, state, group, step)
+    except NotReplayable as exc:
+        check.note = str(exc)
+        return check
+    except RunFileError:
+        raise
+    except UnusableRecord as exc:
+        raise RunFileError(f"{replay.run.path}: {where}: {exc} (replay rule {rule.function_name})") from exc
+    except Exception as exc:
+        message = " ".join(f"{type(exc).__name__}: {exc}".split())
+        raise ReplayRuleError(f"{replay.run.path}: replay rule {rule.function_name} (for {rule.name}) failed on "
+                              f"{where}: {message[:300]}") from exc
 
-    def group_of(record: int, group: int) -> dict:
-        if record not in hparams_cache:
-            hparams_cache[record] = [unwrap_hparams(g) for g in opt.hparams(record)]
-        if group >= len(hparams_cache[record]):
-            raise RunFileError(f"{run.path}: optimizer {opt.index}: records/hparams[{record}] has "
-                               f"{len(hparams_cache[record])} param group(s), no group {group}")
-        return hparams_cache[record][group]
+    eps = storage_eps(p.storage_dtype(schema.KIND_PARAM_AFTER))
+    reduced = eps > _SPACING["float32"]
+    rule_ulps = rule.ulps if replay.ulps is None else replay.ulps
+    rule_rtol = rule.rtol if replay.rtol is None else replay.rtol
+    # Reduced-precision storage rounds the inputs too: the update can only be checked to that precision.
+    rtol = max(rule_rtol, 4 * eps) if reduced else rule_rtol
+    update = replayed.param - before
+    scale = _largest(update)
+    check.max_abs_err, check.err_to_tol = compare(replayed.param, after, scale, eps=eps, ulps=rule_ulps, rtol=rtol)
+    recorded_scale = _largest(after - before)
+    check.update_rel_err = check.max_abs_err / recorded_scale if recorded_scale > 0 else math.nan
+    if reduced and scale > 0:
+        check.precision_limit = (float(tolerance(after, scale, eps=eps, ulps=rule_ulps, rtol=rtol).median())
+                                 / float(update.abs().median().clamp_min(1e-30)))
+    nxt = _next_row(p, opt, row, record)
+    next_state = None
+    continuous = True
+    if nxt is not None:
+        if replay.state_recorded:
+            next_state = {k: v.double() for k, v in p.state_at(nxt).items()}
+        # Nothing but the optimizer should touch a parameter between two consecutive steps.
+        continuous = bool((elementwise_error(p.read(schema.KIND_PARAM, nxt).double(), after) == 0).all())
+    conflict = _shape_conflict(next_state or {}, replayed.state)
+    if conflict:
+        raise RunFileError(f"{replay.run.path}: {where}: {conflict} (replay rule {rule.function_name})")
+    state_ratio = _state_error(next_state, replayed.state, eps, rule_ulps, rtol) if next_state else None
+    if state_ratio is not None:
+        check.state_checked, check.state_err_to_tol = True, state_ratio
+    param_ok = check.err_to_tol <= 1.0
+    state_ok = state_ratio is None or state_ratio <= 1.0
+    check.status = "match" if param_ok and state_ok and continuous else "mismatch"
+    if not (param_ok and state_ok):
+        def matches(alt_param, alt_state):
+            if compare(alt_param, after, _largest(alt_param - before), eps=eps, ulps=rule_ulps, rtol=rtol)[1] > 1.0:
+                return False
+            alt_state_ratio = _state_error(next_state, alt_state, eps, rule_ulps, rtol) if next_state else None
+            return alt_state_ratio is None or alt_state_ratio <= 1.0
 
-    for p in opt.param_records.values():
-        base = {"optimizer": opt.index, "param": p.name}
-        missing = [k for k in (schema.KIND_PARAM, schema.KIND_GRAD, schema.KIND_PARAM_AFTER) if k not in p.kinds]
-        eps = storage_eps(p.storage_dtype(schema.KIND_PARAM_AFTER))
-        reduced = eps > _SPACING["float32"]
-        limits = []
-        for row in range(p.num_rows):
-            record = int(p.records[row])
-            check = dict(base, record=record, step=int(opt.steps[record]), status="skipped", max_abs_err=float("nan"),
-                         update_rel_err=float("nan"), err_to_tol=float("nan"), state_checked=False,
-                         state_err_to_tol=float("nan"), note="")
-            rows.append(check)
-            if rule is None:
-                check["note"] = f"no replay rule for {opt.class_name}"
-                continue
-            if missing:
-                check["note"] = f"{', '.join(missing)} not recorded"
-                continue
-            if str(p.dtype or "").startswith("complex"):
-                # torch replays complex parameters as (real, imag) pairs; the rules work on real tensors only
-                check["note"] = f"complex parameters ({p.dtype}) are not replayed"
-                continue
-            before = p.read(schema.KIND_PARAM, row).double()
-            grad = p.read(schema.KIND_GRAD, row).double()
-            after = p.read(schema.KIND_PARAM_AFTER, row).double()
-            state = {k: v.double() for k, v in p.state_at(row).items()} if state_recorded else None
-            if state is None and int(opt.steps[record]) != 0:
-                check["note"] = "optimizer state not recorded (what= excluded 'state')"
-                continue
-            try:
-                replayed = rule.fn(before, grad, state or {}, group_of(record, p.param_group or 0),
-                                   int(opt.steps[record]))
-            except NotReplayable as exc:
-                check["note"] = str(exc)
-                continue
-            except RunFileError:
-                raise
-            except Exception as exc:  # the recorded values (from the file) are not what the rule can work with
-                raise RunFileError(f"{run.path}: optimizer {opt.index} parameter {p.name!r} step "
-                                   f"{int(opt.steps[record])}: replay rule {rule.name} failed on the recorded "
-                                   f"values ({type(exc).__name__}: {exc})") from exc
-            rule_rtol = (replayed.rtol or rule.rtol) if rtol is None else rtol
-            rule_ulps = rule.ulps if ulps is None else ulps
-            # Reduced-precision storage rounds the inputs too: the update can only be checked to that precision.
-            eff_rtol = max(rule_rtol, 4 * eps) if reduced else rule_rtol
-            update = replayed.param - before
-            scale = float(update.abs().nan_to_num(posinf=0.0).max()) if update.numel() else 0.0
-            abs_err, ratio = compare(replayed.param, after, scale, eps=eps, ulps=rule_ulps, rtol=eff_rtol)
-            recorded_scale = float((after - before).abs().nan_to_num(posinf=0.0).max()) if after.numel() else 0.0
-            check.update(max_abs_err=abs_err, err_to_tol=ratio,
-                         update_rel_err=abs_err / recorded_scale if recorded_scale > 0 else float("nan"))
-            if reduced and scale > 0:
-                limits.append(float(tolerance(after, scale, eps=eps, ulps=rule_ulps, rtol=eff_rtol).median())
-                              / float(update.abs().median().clamp_min(1e-30)))
-            nxt = _next_row(p, opt, row, record)
-            next_state = None
-            continuous = True
-            if nxt is not None:
-                if state_recorded:
-                    next_state = {k: v.double() for k, v in p.state_at(nxt).items()}
-                # Nothing but the optimizer should touch a parameter between two consecutive steps.
-                continuous = bool((elementwise_error(p.read(schema.KIND_PARAM, nxt).double(), after) == 0).all())
-            state_ratio = _state_error(next_state, replayed.state, eps, rule_ulps, eff_rtol) if next_state else None
-            if state_ratio is not None:
-                check.update(state_checked=True, state_err_to_tol=state_ratio)
-            param_ok = ratio <= 1.0
-            state_ok = state_ratio is None or state_ratio <= 1.0
-            check["status"] = "match" if param_ok and state_ok and continuous else "mismatch"
-            if not (param_ok and state_ok):
-                def matches(alt_param, alt_state):
-                    alt_update = (alt_param - before).abs().nan_to_num(posinf=0.0)
-                    alt_scale = float(alt_update.max()) if alt_update.numel() else 0.0
-                    if compare(alt_param, after, alt_scale, eps=eps, ulps=rule_ulps, rtol=eff_rtol)[1] > 1.0:
-                        return False
-                    alt_state_ratio = _state_error(next_state, alt_state, eps, rule_ulps, eff_rtol) \
-                        if next_state else None
-                    return alt_state_ratio is None or alt_state_ratio <= 1.0
+        def replay_with(alt_grad, alt_group):
+            return rule.replay(before, alt_grad, {k: v.clone() for k, v in state.items()}, alt_group, step)
 
-                why = explain(rule.fn, before, grad, after, state or {}, group_of(record, p.param_group or 0),
-                              int(opt.steps[record]), next_state, matches)
-                what = "recorded update differs from the replayed one" if not param_ok else \
-                    "next record's optimizer state differs from the replayed state"
-                check["note"] = what + (f": {why}" if why else "")
-            elif not continuous:
-                check["note"] = "parameter changed outside the optimizer before the next step"
-        if limits:
-            limits.sort()
-            notes.append(f"{p.name}: stored as {p.storage_dtype(schema.KIND_PARAM_AFTER)}, so each element is "
-                         f"verified only to about {limits[len(limits) // 2]:.2g}x its own update size")
+        why = explain(replay_with, before, grad, after, group, next_state, matches)
+        what = "recorded update differs from the replayed one" if not param_ok else \
+            "next record's optimizer state differs from the replayed state"
+        check.note = what + (f": {why}" if why else "")
+    elif not continuous:
+        check.note = "parameter changed outside the optimizer before the next step"
+    return check
 
 
-def _next_row(p, opt, row: int, record: int) -> int | None:
+def _precision_note(p: ParamRecord, checks: list[Check]) -> str | None:
+    """How closely reduced-precision storage let this parameter's updates be checked (median over its steps)."""
+    limits = sorted(c.precision_limit for c in checks if c.precision_limit is not None)
+    if not limits:
+        return None
+    return (f"{p.name}: stored as {p.storage_dtype(schema.KIND_PARAM_AFTER)}, so each element is verified only to "
+            f"about {limits[len(limits) // 2]:.2g}x its own update size")
+
+
+def _next_row(p: ParamRecord, opt: OptimizerRun, row: int, record: int) -> int | None:
     """The row of the very next optimizer step for this parameter, if it was recorded."""
     nxt = row + 1
-    if nxt >= p.num_rows or int(p.records[nxt]) != record + 1 or int(opt.steps[record + 1]) != int(opt.steps[record]) + 1:
+    if nxt >= p.num_rows or int(p.records[nxt]) != record + 1:
         return None
-    return nxt
+    return nxt if int(opt.steps[record + 1]) == int(opt.steps[record]) + 1 else None
+
+
+def _shape_conflict(recorded: dict, replayed_state: dict) -> str | None:
+    """Why the state recorded before the next step cannot be compared with the replayed state, or None."""
+    for key, value in replayed_state.items():
+        if key in recorded and not same_shape(recorded[key], value):
+            return (f"state {key!r} has shape {tuple(recorded[key].shape)} at the next step, the replayed state "
+                    f"{tuple(value.shape)}")
+    return None
 
 
 def _state_error(recorded: dict | None, replayed_state: dict, eps, ulps, rtol) -> float | None:
@@ -277,7 +364,6 @@ def _state_error(recorded: dict | None, replayed_state: dict, eps, ulps, rtol) -
         if key not in recorded:
             continue
         rec = recorded[key].double()
-        scale = float(rec.abs().nan_to_num(posinf=0.0).max()) if rec.numel() else 0.0
-        _, ratio = compare(value, rec, scale, eps=eps, ulps=ulps, rtol=rtol)
+        _, ratio = compare(value, rec, _largest(rec), eps=eps, ulps=ulps, rtol=rtol)
         worst = ratio if worst is None else max(worst, ratio)
     return worst

@@ -16,13 +16,13 @@ from __future__ import annotations
 
 import torch
 
-from ..registry import Replayed, register, require, scalar
+from ..registry import Replayed, kept_when, register
 
 
 def adafactor_step(param, grad, row_var, col_var, variance, step, *, lr, beta2_decay, eps1, eps2, d, weight_decay,
                    maximize):
     """One Adafactor step; step counts the steps done before this one. row_var/col_var (params with ndim > 1) or
-    variance (ndim <= 1) hold the second-moment state. Returns (param, row_var, col_var, variance, new step)."""
+    variance (ndim <= 1) hold the second-moment state. Returns (param, row_var, col_var, variance)."""
     grad = -grad if maximize else grad
     step = step + 1
     one_minus_beta2 = step**beta2_decay
@@ -41,35 +41,35 @@ def adafactor_step(param, grad, row_var, col_var, variance, step, *, lr, beta2_d
         var_estimate = variance
     update = var_estimate.clamp(min=eps1 * eps1).rsqrt() * grad
     denom = max(1.0, float(update.norm(2)) / (update.numel() ** 0.5 * d))
-    return param - (alpha / denom) * update, row_var, col_var, variance, step
+    return param - (alpha / denom) * update, row_var, col_var, variance
 
 
 def _fits_float32(*tensors) -> bool:
     return all(bool((t.float().double() == t).all()) for t in tensors if t.is_floating_point())
 
 
-@register(torch.optim.Adafactor)
+def _factored(param, group) -> bool:
+    return param.dim() > 1
+
+
+# torch initialises the moments to zero on the first step: a factored row and column variance for params with
+# ndim > 1, a full variance otherwise
+ADAFACTOR_STATE = {
+    "row_var": kept_when(_factored, lambda param, group: param.new_zeros(param.shape[:-1] + (1,))),
+    "col_var": kept_when(_factored, lambda param, group: param.new_zeros(param.shape[:-2] + (1,) + param.shape[-1:])),
+    "variance": kept_when(lambda param, group: not _factored(param, group)),
+}
+
+
+@register(torch.optim.Adafactor, state=ADAFACTOR_STATE, counts_steps=True)
 def adafactor(param, grad, state, group, step):
-    factored = grad.dim() > 1
-    keys = ("row_var", "col_var") if factored else ("variance",)
-    if state:
-        require(state, ("step",) + keys)
-        done = int(round(float(state["step"])))
-        row_var, col_var, variance = state.get("row_var"), state.get("col_var"), state.get("variance")
-    else:  # first step: torch initialises the moments to zero
-        done = 0
-        row_var = param.new_zeros(param.shape[:-1] + (1,)) if factored else None
-        col_var = param.new_zeros(param.shape[:-2] + (1,) + param.shape[-1:]) if factored else None
-        variance = None if factored else torch.zeros_like(param)
     eps1, eps2 = group["eps"]
     if eps1 is None:
         # torch: torch.finfo(param.dtype).eps (see the module docstring)
         dtype = torch.float32 if _fits_float32(param, grad, *state.values()) else torch.float64
         eps1 = torch.finfo(dtype).eps
-    new_param, row_var, col_var, variance, new_step = adafactor_step(
-        param, grad, row_var, col_var, variance, done, lr=scalar(group["lr"]), beta2_decay=group["beta2_decay"],
-        eps1=float(eps1), eps2=float(eps2), d=group["d"], weight_decay=group.get("weight_decay", 0),
-        maximize=group.get("maximize", False))
-    new_state = {"step": torch.tensor(float(new_step), dtype=torch.float64)}
-    new_state.update({"row_var": row_var, "col_var": col_var} if factored else {"variance": variance})
-    return Replayed(new_param, new_state)
+    new_param, row_var, col_var, variance = adafactor_step(
+        param, grad, state.get("row_var"), state.get("col_var"), state.get("variance"), step, lr=group["lr"],
+        beta2_decay=group["beta2_decay"], eps1=float(eps1), eps2=float(eps2), d=group["d"],
+        weight_decay=group.get("weight_decay", 0), maximize=group.get("maximize", False))
+    return Replayed(new_param, {"row_var": row_var, "col_var": col_var, "variance": variance})

@@ -17,11 +17,11 @@ from __future__ import annotations
 
 import torch
 
-from ..registry import Replayed, register, require, scalar
+from ..registry import Replayed, register
 
 
 def adagrad_step(param, grad, state_sum, step, *, lr, lr_decay, weight_decay, eps, maximize):
-    """One Adagrad step; step counts the steps done before this one. Returns (param, state_sum, new step)."""
+    """One Adagrad step; step counts the steps done before this one. Returns (param, state_sum)."""
     grad = -grad if maximize else grad
     step = step + 1
     if weight_decay != 0:
@@ -29,24 +29,20 @@ def adagrad_step(param, grad, state_sum, step, *, lr, lr_decay, weight_decay, ep
     clr = lr / (1 + (step - 1) * lr_decay)
     state_sum = state_sum + grad * grad
     std = state_sum.sqrt() + eps
-    return param - clr * grad / std, state_sum, step
+    return param - clr * grad / std, state_sum
 
 
-@register(torch.optim.Adagrad)
+def _initial_sum(param, group):
+    # Adagrad creates its state in __init__, so a recorded first step has it; it is empty when the state was not
+    # recorded, or for a group added later (created on its first step, with step 0). torch fills "sum" with the
+    # constructor's initial_accumulator_value (self.defaults), which is also each group's value unless the group
+    # was given its own (which torch ignores, and this replay cannot see).
+    return torch.full_like(param, group.get("initial_accumulator_value", 0.0))
+
+
+@register(torch.optim.Adagrad, state={"sum": _initial_sum}, counts_steps=True)
 def adagrad(param, grad, state, group, step):
-    if state:
-        require(state, ("sum", "step"))
-        state_sum = state["sum"]
-        done = int(round(float(state["step"])))
-    else:
-        # Adagrad creates its state in __init__, so a recorded first step has it; it is empty when the state was
-        # not recorded, or for a group added later (created on its first step, with step 0). torch fills "sum"
-        # with the constructor's initial_accumulator_value (self.defaults), which is also each group's value
-        # unless the group was given its own (which torch ignores, and this replay cannot see).
-        state_sum = torch.full_like(param, scalar(group.get("initial_accumulator_value", 0.0)))
-        done = 0
-    new_param, new_sum, new_step = adagrad_step(
-        param, grad, state_sum, done, lr=scalar(group["lr"]), lr_decay=scalar(group.get("lr_decay", 0.0)),
-        weight_decay=scalar(group.get("weight_decay", 0.0)), eps=scalar(group["eps"]),
-        maximize=group.get("maximize", False))
-    return Replayed(new_param, {"step": torch.tensor(float(new_step), dtype=torch.float64), "sum": new_sum})
+    new_param, state_sum = adagrad_step(
+        param, grad, state["sum"], step, lr=group["lr"], lr_decay=group.get("lr_decay", 0.0),
+        weight_decay=group.get("weight_decay", 0.0), eps=group["eps"], maximize=group.get("maximize", False))
+    return Replayed(new_param, {"sum": state_sum})

@@ -3,13 +3,13 @@ from __future__ import annotations
 
 import torch
 
-from ..registry import Replayed, register, require, scalar
+from ..registry import Replayed, kept_when, register, zeros
 
 
 def adam_step(param, grad, exp_avg, exp_avg_sq, max_exp_avg_sq, step, *, lr, beta1, beta2, eps, weight_decay,
               amsgrad, maximize, decoupled_weight_decay):
     """One Adam(W) step; step counts the steps done before this one. Returns (param, exp_avg, exp_avg_sq,
-    max_exp_avg_sq or None, new step)."""
+    max_exp_avg_sq or None)."""
     grad = -grad if maximize else grad
     step = step + 1
     if weight_decay != 0:
@@ -28,38 +28,29 @@ def adam_step(param, grad, exp_avg, exp_avg_sq, max_exp_avg_sq, step, *, lr, bet
         second = exp_avg_sq
     denom = second.sqrt() / bias_correction2**0.5 + eps
     param = param - (lr / bias_correction1) * exp_avg / denom
-    return param, exp_avg, exp_avg_sq, (max_exp_avg_sq if amsgrad else None), step
+    return param, exp_avg, exp_avg_sq, (max_exp_avg_sq if amsgrad else None)
 
 
-@register(torch.optim.Adam)
+# torch initialises the moments to zero on the first step
+ADAM_STATE = {"exp_avg": zeros, "exp_avg_sq": zeros, "max_exp_avg_sq": kept_when("amsgrad")}
+
+
+@register(torch.optim.Adam, state=ADAM_STATE, counts_steps=True)
 def adam(param, grad, state, group, step):
-    return _replay(param, grad, state, group, decoupled_default=False)
+    return _replay(param, grad, state, group, step, decoupled_default=False)
 
 
-@register(torch.optim.AdamW)
+@register(torch.optim.AdamW, state=ADAM_STATE, counts_steps=True)
 def adamw(param, grad, state, group, step):
     # AdamW is Adam with decoupled_weight_decay=True; older torch versions wrote groups without that key.
-    return _replay(param, grad, state, group, decoupled_default=True)
+    return _replay(param, grad, state, group, step, decoupled_default=True)
 
 
-def _replay(param, grad, state, group, *, decoupled_default):
-    amsgrad = bool(group.get("amsgrad", False))
-    if state:
-        require(state, ("exp_avg", "exp_avg_sq", "step") + (("max_exp_avg_sq",) if amsgrad else ()))
-        exp_avg, exp_avg_sq = state["exp_avg"], state["exp_avg_sq"]
-        max_sq = state.get("max_exp_avg_sq")
-        done = int(round(float(state["step"])))
-    else:  # first step: torch initialises the moments to zero
-        exp_avg, exp_avg_sq = torch.zeros_like(param), torch.zeros_like(param)
-        max_sq = torch.zeros_like(param) if amsgrad else None
-        done = 0
+def _replay(param, grad, state, group, step, *, decoupled_default):
     beta1, beta2 = group["betas"]
-    decoupled = group.get("decoupled_weight_decay", decoupled_default)
-    new_param, m, v, vmax, new_step = adam_step(
-        param, grad, exp_avg, exp_avg_sq, max_sq, done, lr=scalar(group["lr"]), beta1=scalar(beta1),
-        beta2=scalar(beta2), eps=group["eps"], weight_decay=group.get("weight_decay", 0), amsgrad=amsgrad,
-        maximize=group.get("maximize", False), decoupled_weight_decay=bool(decoupled))
-    new_state = {"step": torch.tensor(float(new_step), dtype=torch.float64), "exp_avg": m, "exp_avg_sq": v}
-    if vmax is not None:
-        new_state["max_exp_avg_sq"] = vmax
-    return Replayed(new_param, new_state)
+    new_param, m, v, vmax = adam_step(
+        param, grad, state["exp_avg"], state["exp_avg_sq"], state.get("max_exp_avg_sq"), step, lr=group["lr"],
+        beta1=beta1, beta2=beta2, eps=group["eps"], weight_decay=group.get("weight_decay", 0),
+        amsgrad=bool(group.get("amsgrad", False)), maximize=group.get("maximize", False),
+        decoupled_weight_decay=bool(group.get("decoupled_weight_decay", decoupled_default)))
+    return Replayed(new_param, {"exp_avg": m, "exp_avg_sq": v, "max_exp_avg_sq": vmax})

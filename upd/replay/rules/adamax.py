@@ -12,19 +12,13 @@ from __future__ import annotations
 
 import torch
 
-from ..registry import Replayed, register, require, scalar
-
-
-def beta_power(beta, step, *, float32=False):
-    """beta ** step in Python double, or (capturable paths) as torch's float32 tensor power of the step counter."""
-    if float32:
-        return float(beta ** torch.tensor(float(step), dtype=torch.float32))
-    return beta**step
+from ..capturable import beta_power
+from ..registry import Replayed, register, zeros
 
 
 def adamax_step(param, grad, exp_avg, exp_inf, step, *, lr, beta1, beta2, eps, weight_decay, maximize,
                 capturable=False):
-    """One Adamax step; step counts the steps done before this one. Returns (param, exp_avg, exp_inf, new step)."""
+    """One Adamax step; step counts the steps done before this one. Returns (param, exp_avg, exp_inf)."""
     grad = -grad if maximize else grad
     step = step + 1
     if weight_decay != 0:
@@ -34,22 +28,15 @@ def adamax_step(param, grad, exp_avg, exp_inf, step, *, lr, beta1, beta2, eps, w
     exp_inf = torch.maximum(beta2 * exp_inf, grad.abs() + eps)
     bias_correction = 1 - beta_power(beta1, step, float32=capturable)
     param = param - (lr / bias_correction) * exp_avg / exp_inf
-    return param, exp_avg, exp_inf, step
+    return param, exp_avg, exp_inf
 
 
-@register(torch.optim.Adamax)
+# torch initialises both moments to zero on the first step
+@register(torch.optim.Adamax, state={"exp_avg": zeros, "exp_inf": zeros}, counts_steps=True)
 def adamax(param, grad, state, group, step):
-    if state:
-        require(state, ("exp_avg", "exp_inf", "step"))
-        exp_avg, exp_inf = state["exp_avg"], state["exp_inf"]
-        done = int(round(float(state["step"])))
-    else:  # first step: torch initialises both moments to zero
-        exp_avg, exp_inf = torch.zeros_like(param), torch.zeros_like(param)
-        done = 0
     beta1, beta2 = group["betas"]
-    new_param, m, u, new_step = adamax_step(
-        param, grad, exp_avg, exp_inf, done, lr=scalar(group["lr"]), beta1=scalar(beta1), beta2=scalar(beta2),
+    new_param, exp_avg, exp_inf = adamax_step(
+        param, grad, state["exp_avg"], state["exp_inf"], step, lr=group["lr"], beta1=beta1, beta2=beta2,
         eps=group["eps"], weight_decay=group.get("weight_decay", 0), maximize=group.get("maximize", False),
         capturable=bool(group.get("capturable", False)))
-    return Replayed(new_param, {"step": torch.tensor(float(new_step), dtype=torch.float64), "exp_avg": m,
-                                "exp_inf": u})
+    return Replayed(new_param, {"exp_avg": exp_avg, "exp_inf": exp_inf})

@@ -16,12 +16,12 @@ from __future__ import annotations
 
 import torch
 
-from ..registry import Replayed, register, require, scalar
+from ..registry import Replayed, register, zeros
 
 
 def asgd_step(param, grad, ax, eta, mu, step, *, lr, lambd, alpha, t0, weight_decay, maximize):
     """One ASGD step; step counts the steps done before this one, eta and mu are floats. Returns (param, ax,
-    new eta, new mu, new step)."""
+    new eta, new mu)."""
     grad = -grad if maximize else grad
     step = step + 1
     if weight_decay != 0:
@@ -30,22 +30,17 @@ def asgd_step(param, grad, ax, eta, mu, step, *, lr, lambd, alpha, t0, weight_de
     ax = param.clone() if mu == 1 else ax + (param - ax) * mu
     new_eta = lr / ((1 + lambd * lr * step) ** alpha)
     new_mu = 1 / max(1, step - t0)
-    return param, ax, new_eta, new_mu, step
+    return param, ax, new_eta, new_mu
 
 
-@register(torch.optim.ASGD)
+# first step: eta = lr, mu = 1, ax = 0
+ASGD_STATE = {"eta": lambda param, group: group["lr"], "mu": lambda param, group: 1.0, "ax": zeros}
+
+
+@register(torch.optim.ASGD, state=ASGD_STATE, counts_steps=True)
 def asgd(param, grad, state, group, step):
-    lr = scalar(group["lr"])
-    if state:
-        require(state, ("step", "eta", "mu", "ax"))
-        done = int(round(float(state["step"])))
-        eta, mu, ax = float(state["eta"]), float(state["mu"]), state["ax"]
-    else:  # first step: eta = lr, mu = 1, ax = 0
-        done, eta, mu, ax = 0, lr, 1.0, torch.zeros_like(param)
-    new_param, new_ax, new_eta, new_mu, new_step = asgd_step(
-        param, grad, ax, eta, mu, done, lr=lr, lambd=scalar(group["lambd"]), alpha=scalar(group["alpha"]),
-        t0=scalar(group["t0"]), weight_decay=scalar(group.get("weight_decay", 0.0)),
+    new_param, ax, eta, mu = asgd_step(
+        param, grad, state["ax"], float(state["eta"]), float(state["mu"]), step, lr=group["lr"],
+        lambd=group["lambd"], alpha=group["alpha"], t0=group["t0"], weight_decay=group.get("weight_decay", 0.0),
         maximize=group.get("maximize", False))
-    f64 = torch.float64
-    return Replayed(new_param, {"step": torch.tensor(float(new_step), dtype=f64), "ax": new_ax,
-                                "eta": torch.tensor(new_eta, dtype=f64), "mu": torch.tensor(new_mu, dtype=f64)})
+    return Replayed(new_param, {"ax": ax, "eta": eta, "mu": mu})

@@ -23,7 +23,7 @@ import math
 
 import torch
 
-from ..registry import DEFAULT_RTOL, NotReplayable, Replayed, register, scalar
+from ..registry import DEFAULT_RTOL, NotReplayable, Replayed, register, zeros
 
 # Tolerance: the default. Measured on CPU records (torch 2.13; 18 configurations of ns_steps, ns_coefficients,
 # nesterov, momentum, eps, adjust_lr_fn, weight_decay, tensor lr on the mlp/conv/attention models, 40 steps each):
@@ -79,15 +79,13 @@ def _fits_float32(*tensors) -> bool:
     return all(bool((t.float().double() == t).all()) for t in tensors)
 
 
-@register(torch.optim.Muon, rtol=MUON_RTOL)
+@register(torch.optim.Muon, rtol=MUON_RTOL, state={"momentum_buffer": zeros})
 def muon(param, grad, state, group, step):
     if param.dim() != 2:
         raise NotReplayable(f"Muon updates 2-D parameters only; this one has shape {tuple(param.shape)}")
-    if state and "momentum_buffer" not in state:
-        raise NotReplayable("state lacks momentum_buffer")
-    buf = state.get("momentum_buffer", torch.zeros_like(param))
+    buf = state["momentum_buffer"]
     dtype = torch.float32 if _fits_float32(param, grad, buf) else torch.float64
-    new_param, buf = muon_step(param, grad, buf, lr=scalar(group["lr"]), weight_decay=group["weight_decay"],
+    new_param, buf = muon_step(param, grad, buf, lr=group["lr"], weight_decay=group["weight_decay"],
                                momentum=group["momentum"], nesterov=group["nesterov"],
                                ns_coefficients=tuple(group["ns_coefficients"]), ns_steps=int(group["ns_steps"]),
                                eps=group["eps"], adjust_lr_fn=group.get("adjust_lr_fn"), input_dtype=dtype)

@@ -15,29 +15,21 @@ from __future__ import annotations
 
 import torch
 
-from ..registry import Replayed, register, require, scalar
-
-
-def _stepscalar(step, float32):
-    return torch.tensor(float(step), dtype=torch.float32) if float32 else step
+from ..capturable import beta_power, step_scalar
+from ..registry import Replayed, register, zeros
 
 
 def momentum_schedule(step, beta1, momentum_decay, *, float32=False):
     """NAdam's mu_t = beta1 * (1 - 0.5 * 0.96 ** (t * momentum_decay)), in Python double or (capturable paths) in
     float32 tensor arithmetic on the step counter."""
-    t = _stepscalar(step, float32)
+    t = step_scalar(step, float32)
     return float(beta1 * (1.0 - 0.5 * (0.96 ** (t * momentum_decay))))
-
-
-def beta_power(beta, step, *, float32=False):
-    """beta ** step in Python double, or (capturable paths) as torch's float32 tensor power of the step counter."""
-    return float(beta ** _stepscalar(step, float32))
 
 
 def nadam_step(param, grad, exp_avg, exp_avg_sq, mu_product, step, *, lr, beta1, beta2, eps, weight_decay,
                momentum_decay, decoupled_weight_decay, maximize, capturable=False):
     """One NAdam step; step counts the steps done before this one, mu_product is the product of mu_1..mu_step.
-    Returns (param, exp_avg, exp_avg_sq, new mu_product, new step)."""
+    Returns (param, exp_avg, exp_avg_sq, new mu_product)."""
     grad = -grad if maximize else grad
     step = step + 1
     bias_correction2 = 1 - beta_power(beta2, step, float32=capturable)
@@ -56,26 +48,20 @@ def nadam_step(param, grad, exp_avg, exp_avg_sq, mu_product, step, *, lr, beta1,
     # Nesterov momentum: the current gradient weighted by (1 - mu_t), the updated first moment by mu_{t+1}
     param = param - (lr * (1.0 - mu) / (1.0 - mu_product)) * grad / denom
     param = param - (lr * mu_next / (1.0 - mu_product_next)) * exp_avg / denom
-    return param, exp_avg, exp_avg_sq, mu_product, step
+    return param, exp_avg, exp_avg_sq, mu_product
 
 
-@register(torch.optim.NAdam)
+# first step: zero moments, empty product
+NADAM_STATE = {"exp_avg": zeros, "exp_avg_sq": zeros, "mu_product": lambda param, group: 1.0}
+
+
+@register(torch.optim.NAdam, state=NADAM_STATE, counts_steps=True)
 def nadam(param, grad, state, group, step):
-    if state:
-        require(state, ("exp_avg", "exp_avg_sq", "mu_product", "step"))
-        exp_avg, exp_avg_sq = state["exp_avg"], state["exp_avg_sq"]
-        mu_product = float(state["mu_product"])
-        done = int(round(float(state["step"])))
-    else:  # first step: zero moments, empty product
-        exp_avg, exp_avg_sq = torch.zeros_like(param), torch.zeros_like(param)
-        mu_product, done = 1.0, 0
     beta1, beta2 = group["betas"]
-    new_param, m, v, new_mu_product, new_step = nadam_step(
-        param, grad, exp_avg, exp_avg_sq, mu_product, done, lr=scalar(group["lr"]), beta1=scalar(beta1),
-        beta2=scalar(beta2), eps=group["eps"], weight_decay=group.get("weight_decay", 0),
+    new_param, exp_avg, exp_avg_sq, mu_product = nadam_step(
+        param, grad, state["exp_avg"], state["exp_avg_sq"], float(state["mu_product"]), step, lr=group["lr"],
+        beta1=beta1, beta2=beta2, eps=group["eps"], weight_decay=group.get("weight_decay", 0),
         momentum_decay=group.get("momentum_decay", 4e-3),
         decoupled_weight_decay=bool(group.get("decoupled_weight_decay", False)),
         maximize=group.get("maximize", False), capturable=bool(group.get("capturable", False)))
-    return Replayed(new_param, {"step": torch.tensor(float(new_step), dtype=torch.float64),
-                                "mu_product": torch.tensor(new_mu_product, dtype=torch.float64),
-                                "exp_avg": m, "exp_avg_sq": v})
+    return Replayed(new_param, {"exp_avg": exp_avg, "exp_avg_sq": exp_avg_sq, "mu_product": mu_product})

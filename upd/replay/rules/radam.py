@@ -22,23 +22,15 @@ from __future__ import annotations
 
 import torch
 
-from ..registry import Replayed, register, require, scalar
-
-
-def _stepscalar(step, float32):
-    return torch.tensor(float(step), dtype=torch.float32) if float32 else step
-
-
-def beta_power(beta, step, *, float32=False):
-    """beta ** step in Python double, or (capturable paths) as torch's float32 tensor power of the step counter."""
-    return float(beta ** _stepscalar(step, float32))
+from ..capturable import beta_power, step_scalar
+from ..registry import Replayed, register, zeros
 
 
 def rho(step, beta2, *, float32=False):
     """(rho_inf, rho_t) for the step-th step (1-based), as torch computes them: in Python double, or (capturable)
     as float32 tensor arithmetic on the float32 step counter."""
     rho_inf = 2 / (1 - beta2) - 1
-    t = _stepscalar(step, float32)
+    t = step_scalar(step, float32)
     return rho_inf, float(rho_inf - 2 * t * (beta2**t) / (1 - beta2**t))
 
 
@@ -48,7 +40,7 @@ def rectification(rho_t, rho_inf):
 
 def radam_step(param, grad, exp_avg, exp_avg_sq, step, *, lr, beta1, beta2, eps, weight_decay,
                decoupled_weight_decay, maximize, foreach=False, capturable=False):
-    """One RAdam step; step counts the steps done before this one. Returns (param, exp_avg, exp_avg_sq, new step)."""
+    """One RAdam step; step counts the steps done before this one. Returns (param, exp_avg, exp_avg_sq)."""
     grad = -grad if maximize else grad
     step = step + 1
     rho_inf, rho_t = rho(step, beta2, float32=capturable)
@@ -73,27 +65,20 @@ def radam_step(param, grad, exp_avg, exp_avg_sq, step, *, lr, beta1, beta2, eps,
         param = param - exp_avg / bias_correction1 * lr * adaptive_lr * rectification(rho_t, rho_inf)
     else:
         param = param - exp_avg / bias_correction1 * lr
-    return param, exp_avg, exp_avg_sq, step
+    return param, exp_avg, exp_avg_sq
 
 
-@register(torch.optim.RAdam)
+# torch initialises both moments to zero on the first step
+@register(torch.optim.RAdam, state={"exp_avg": zeros, "exp_avg_sq": zeros}, counts_steps=True)
 def radam(param, grad, state, group, step):
-    if state:
-        require(state, ("exp_avg", "exp_avg_sq", "step"))
-        exp_avg, exp_avg_sq = state["exp_avg"], state["exp_avg_sq"]
-        done = int(round(float(state["step"])))
-    else:  # first step: torch initialises both moments to zero
-        exp_avg, exp_avg_sq = torch.zeros_like(param), torch.zeros_like(param)
-        done = 0
     beta1, beta2 = group["betas"]
     differentiable = bool(group.get("differentiable", False))
-    new_param, m, v, new_step = radam_step(
-        param, grad, exp_avg, exp_avg_sq, done, lr=scalar(group["lr"]), beta1=scalar(beta1),
-        beta2=scalar(beta2), eps=group["eps"], weight_decay=group.get("weight_decay", 0),
+    new_param, exp_avg, exp_avg_sq = radam_step(
+        param, grad, state["exp_avg"], state["exp_avg_sq"], step, lr=group["lr"], beta1=beta1, beta2=beta2,
+        eps=group["eps"], weight_decay=group.get("weight_decay", 0),
         decoupled_weight_decay=bool(group.get("decoupled_weight_decay", False)),
         maximize=group.get("maximize", False),
         # differentiable=True runs the for-loop (torch's foreach path raises for it)
         foreach=group.get("foreach") is True and not differentiable,
         capturable=bool(group.get("capturable", False)))
-    return Replayed(new_param, {"step": torch.tensor(float(new_step), dtype=torch.float64), "exp_avg": m,
-                                "exp_avg_sq": v})
+    return Replayed(new_param, {"exp_avg": exp_avg, "exp_avg_sq": exp_avg_sq})

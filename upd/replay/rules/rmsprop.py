@@ -14,15 +14,13 @@ from __future__ import annotations
 
 import torch
 
-from ..registry import Replayed, register, require, scalar
+from ..registry import Replayed, kept_when, register, zeros
 
 
-def rmsprop_step(param, grad, square_avg, grad_avg, momentum_buffer, step, *, lr, alpha, eps, weight_decay,
+def rmsprop_step(param, grad, square_avg, grad_avg, momentum_buffer, *, lr, alpha, eps, weight_decay,
                  momentum, centered, maximize):
-    """One RMSprop step; step counts the steps done before this one. Returns (param, square_avg, grad_avg or
-    None, momentum_buffer or None, new step)."""
+    """One RMSprop step. Returns (param, square_avg, grad_avg or None, momentum_buffer or None)."""
     grad = -grad if maximize else grad
-    step = step + 1
     if weight_decay != 0:
         grad = grad + weight_decay * param
     square_avg = alpha * square_avg + (1 - alpha) * grad * grad
@@ -38,31 +36,19 @@ def rmsprop_step(param, grad, square_avg, grad_avg, momentum_buffer, step, *, lr
     else:
         momentum_buffer = None
         param = param - lr * grad / avg
-    return param, square_avg, grad_avg, momentum_buffer, step
+    return param, square_avg, grad_avg, momentum_buffer
 
 
-@register(torch.optim.RMSprop)
+# torch initialises every buffer to zero on the first step
+RMSPROP_STATE = {"square_avg": zeros, "grad_avg": kept_when("centered"),
+                 "momentum_buffer": kept_when(lambda param, group: group.get("momentum", 0) > 0)}
+
+
+@register(torch.optim.RMSprop, state=RMSPROP_STATE, counts_steps=True)
 def rmsprop(param, grad, state, group, step):
-    momentum = scalar(group.get("momentum", 0))
-    centered = bool(group.get("centered", False))
-    needed = ("square_avg", "step") + (("momentum_buffer",) if momentum > 0 else ()) + \
-        (("grad_avg",) if centered else ())
-    if state:
-        require(state, needed)
-        done = int(round(float(state["step"])))
-        square_avg, grad_avg, buf = state["square_avg"], state.get("grad_avg"), state.get("momentum_buffer")
-    else:  # first step: torch initialises every buffer to zero
-        done = 0
-        square_avg = torch.zeros_like(param)
-        grad_avg = torch.zeros_like(param) if centered else None
-        buf = torch.zeros_like(param) if momentum > 0 else None
-    new_param, sq, gavg, new_buf, new_step = rmsprop_step(
-        param, grad, square_avg, grad_avg, buf, done, lr=scalar(group["lr"]), alpha=scalar(group["alpha"]),
-        eps=scalar(group["eps"]), weight_decay=scalar(group.get("weight_decay", 0.0)), momentum=momentum,
-        centered=centered, maximize=group.get("maximize", False))
-    new_state = {"step": torch.tensor(float(new_step), dtype=torch.float64), "square_avg": sq}
-    if gavg is not None:
-        new_state["grad_avg"] = gavg
-    if new_buf is not None:
-        new_state["momentum_buffer"] = new_buf
-    return Replayed(new_param, new_state)
+    new_param, square_avg, grad_avg, momentum_buffer = rmsprop_step(
+        param, grad, state["square_avg"], state.get("grad_avg"), state.get("momentum_buffer"), lr=group["lr"],
+        alpha=group["alpha"], eps=group["eps"], weight_decay=group.get("weight_decay", 0.0),
+        momentum=group.get("momentum", 0), centered=bool(group.get("centered", False)),
+        maximize=group.get("maximize", False))
+    return Replayed(new_param, {"square_avg": square_avg, "grad_avg": grad_avg, "momentum_buffer": momentum_buffer})

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from ..registry import Replayed, register, require, scalar
+from ..registry import Replayed, register, zeros
 
 _NARROW = (torch.float16, torch.bfloat16, torch.float32)
 
@@ -29,33 +29,27 @@ def _working_dtype(*tensors) -> torch.dtype:
     return torch.float64
 
 
-def rprop_step(param, grad, prev, step_size, step, *, etaminus, etaplus, step_size_min, step_size_max, maximize):
-    """One Rprop step; step counts the steps done before this one. Returns (param, prev, step_size, new step)."""
+def rprop_step(param, grad, prev, step_size, *, etaminus, etaplus, step_size_min, step_size_max, maximize):
+    """One Rprop step. Returns (param, prev, step_size)."""
     grad = -grad if maximize else grad
-    step = step + 1
     dtype = _working_dtype(param, grad, prev)
     sign = (grad.to(dtype) * prev.to(dtype)).sign().double()
     factor = torch.where(sign > 0, etaplus, torch.where(sign < 0, etaminus, 1.0)).to(grad.dtype)
     factor = torch.where(sign.isnan(), sign, factor)  # torch leaves a NaN sign in place
     step_size = (step_size * factor).clamp(step_size_min, step_size_max)
     grad = torch.where(sign < 0, torch.zeros_like(grad), grad)
-    return param - grad.sign() * step_size, grad, step_size, step
+    return param - grad.sign() * step_size, grad, step_size
 
 
-@register(torch.optim.Rprop)
+# first step: prev = 0, every step size = the group's lr (the only use of lr)
+RPROP_STATE = {"prev": zeros, "step_size": lambda param, group: torch.full_like(param, group["lr"])}
+
+
+@register(torch.optim.Rprop, state=RPROP_STATE, counts_steps=True)
 def rprop(param, grad, state, group, step):
-    if state:
-        require(state, ("prev", "step_size", "step"))
-        prev, step_size = state["prev"], state["step_size"]
-        done = int(round(float(state["step"])))
-    else:  # first step: prev = 0, every step size = the group's lr (the only use of lr)
-        prev = torch.zeros_like(param)
-        step_size = torch.full_like(param, scalar(group["lr"]))
-        done = 0
-    etaminus, etaplus = (scalar(e) for e in group["etas"])
-    step_size_min, step_size_max = (scalar(s) for s in group["step_sizes"])
-    new_param, new_prev, new_step_size, new_step = rprop_step(
-        param, grad, prev, step_size, done, etaminus=etaminus, etaplus=etaplus, step_size_min=step_size_min,
-        step_size_max=step_size_max, maximize=group.get("maximize", False))
-    return Replayed(new_param, {"step": torch.tensor(float(new_step), dtype=torch.float64), "prev": new_prev,
-                                "step_size": new_step_size})
+    etaminus, etaplus = group["etas"]
+    step_size_min, step_size_max = group["step_sizes"]
+    new_param, prev, step_size = rprop_step(
+        param, grad, state["prev"], state["step_size"], etaminus=etaminus, etaplus=etaplus,
+        step_size_min=step_size_min, step_size_max=step_size_max, maximize=group.get("maximize", False))
+    return Replayed(new_param, {"prev": prev, "step_size": step_size})

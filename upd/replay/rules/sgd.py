@@ -25,4 +25,4 @@ def sgd(param, grad, state, group, step):
                               momentum=group.get("momentum", 0), dampening=group.get("dampening", 0),
                               weight_decay=group.get("weight_decay", 0), nesterov=group.get("nesterov", False),
                               maximize=group.get("maximize", False))
-    return Replayed(new_param, {} if buf is None else {"momentum_buffer": buf})
+    return Replayed(new_param, {"momentum_buffer": buf})  # None (no momentum): torch keeps no buffer

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from ..registry import Replayed, register, require, scalar
+from ..registry import Replayed, register, zeros
 
 
 def present_rows(grad: torch.Tensor) -> torch.Tensor:
@@ -25,10 +25,10 @@ def present_rows(grad: torch.Tensor) -> torch.Tensor:
 
 def sparse_adam_step(param, grad, exp_avg, exp_avg_sq, step, rows, *, lr, beta1, beta2, eps, maximize):
     """One SparseAdam step on the rows where ``rows`` (a mask over dim 0) is True; step counts the steps done before
-    this one (torch counts a step even when the gradient is empty). Returns (param, exp_avg, exp_avg_sq, step)."""
+    this one (torch counts a step even when the gradient is empty). Returns (param, exp_avg, exp_avg_sq)."""
     step = step + 1
     if not bool(rows.any()):  # torch skips the update for an empty gradient
-        return param, exp_avg, exp_avg_sq, step
+        return param, exp_avg, exp_avg_sq
     shape = param.shape
     if param.dim() == 0:
         param, grad, exp_avg, exp_avg_sq = (t.reshape(1) for t in (param, grad, exp_avg, exp_avg_sq))
@@ -43,20 +43,14 @@ def sparse_adam_step(param, grad, exp_avg, exp_avg_sq, step, rows, *, lr, beta1,
     exp_avg, exp_avg_sq, param = exp_avg.clone(), exp_avg_sq.clone(), param.clone()
     exp_avg[rows], exp_avg_sq[rows] = m, v
     param[rows] = param[rows] - step_size * (m / (v.sqrt() + eps))
-    return param.reshape(shape), exp_avg.reshape(shape), exp_avg_sq.reshape(shape), step
+    return param.reshape(shape), exp_avg.reshape(shape), exp_avg_sq.reshape(shape)
 
 
-@register(torch.optim.SparseAdam)
+# torch initialises the moments to zero on the first step
+@register(torch.optim.SparseAdam, state={"exp_avg": zeros, "exp_avg_sq": zeros}, counts_steps=True)
 def sparse_adam(param, grad, state, group, step):
-    if state:
-        require(state, ("exp_avg", "exp_avg_sq", "step"))
-        exp_avg, exp_avg_sq = state["exp_avg"], state["exp_avg_sq"]
-        done = int(round(float(state["step"])))
-    else:  # first step: torch initialises the moments to zero
-        exp_avg, exp_avg_sq, done = torch.zeros_like(param), torch.zeros_like(param), 0
     beta1, beta2 = group["betas"]
-    new_param, m, v, new_step = sparse_adam_step(
-        param, grad, exp_avg, exp_avg_sq, done, present_rows(grad), lr=scalar(group["lr"]), beta1=scalar(beta1),
-        beta2=scalar(beta2), eps=group["eps"], maximize=group.get("maximize", False))
-    return Replayed(new_param, {"step": torch.tensor(float(new_step), dtype=torch.float64), "exp_avg": m,
-                                "exp_avg_sq": v})
+    new_param, exp_avg, exp_avg_sq = sparse_adam_step(
+        param, grad, state["exp_avg"], state["exp_avg_sq"], step, present_rows(grad), lr=group["lr"], beta1=beta1,
+        beta2=beta2, eps=group["eps"], maximize=group.get("maximize", False))
+    return Replayed(new_param, {"exp_avg": exp_avg, "exp_avg_sq": exp_avg_sq})
