@@ -80,26 +80,9 @@ def compare(replayed: torch.Tensor, recorded: torch.Tensor, scale: float, *, eps
     return float(err.max()), float((err / tol).max())
 
 
-def _one_element_as_number(data):
-    """A tensor hyperparameter's values: the number itself for a tensor of one element (torch accepts
-    lr=torch.tensor([0.1])), the (nested) list for a tensor of several."""
-    single = data
-    while isinstance(single, list) and len(single) == 1:
-        single = single[0]
-    return data if isinstance(single, list) else single
-
-
-def replay_value(value):
-    """A JSON-decoded hyperparameter as rules take it: tensor hyperparameters unwrapped, lists element-wise."""
-    if isinstance(value, list):
-        return [replay_value(v) for v in value]
-    if isinstance(value, dict):  # a tensor hyperparameter, or a value the recorder could only describe
-        return _one_element_as_number(encoding.hparam_value(value))
-    return value
-
-
 def replay_hparams(group: dict) -> dict:
-    return {k: replay_value(v) for k, v in group.items()}
+    """A recorded param group as rules take it: tensor hyperparameters unwrapped (see encoding.hparam_value)."""
+    return {k: encoding.hparam_value(v) for k, v in group.items()}
 
 
 def _largest(t: torch.Tensor) -> float:
