@@ -2,8 +2,9 @@
 
 The for-loop and foreach implementations compute the same math (only the order of a few float32 roundings differs:
 torch.norm(...).square_() against _foreach_mul_, add_(alpha=) against _foreach_mul_ then _foreach_add_), so one rule
-covers both at the default tolerance (measured, torch 2.13 CPU, every case in tests/cases/adafactor_muon_sparseadam.py
-run for 40 steps: worst 0.24x the tolerance on the parameter, 0.02x on the state, for either implementation).
+covers both at the default tolerance (measured, torch 2.13 CPU, every case in
+tests/harness/cases/adafactor_muon_sparseadam.py run for 40 steps: worst 0.24x the tolerance on the parameter, 0.02x
+on the state, for either implementation).
 
 eps1 = None (the default, ``eps=(None, 1e-3)``) means ``torch.finfo(param.dtype).eps`` in torch. Rules only see
 float64 copies of the record, so the parameter's dtype is inferred: float64 when the recorded values are not all
