@@ -1,4 +1,5 @@
-"""Recording side: hooks on the optimizer, snapshots, HDF5 writer."""
+"""Recording side: hooks on the optimizer, parameter names, snapshots, statistics on the device, the flight
+recorder. The run file itself is written by ``upd.runfile``."""
 from .recorder import Recorder, RecorderWarning, record
 
 __all__ = ["Recorder", "RecorderWarning", "record"]

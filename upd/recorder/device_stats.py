@@ -1,14 +1,17 @@
 """Per-step summary statistics, computed where the tensors live, with one device-to-host copy per step.
 
-Every function here only launches device work; nothing calls .item()/.cpu() except ``to_host``, which the recorder
-calls once per recorded step on the stacked result of all parameters. A step whose tensors hold NaN/Inf pays one
-more copy, to count them exactly (see ``count_nonfinite``).
+Every function here only launches device work; nothing calls .item()/.cpu() except ``to_host``, which
+``StepStatistics.read`` calls once per recorded step on the stacked result of all parameters. A step whose tensors
+hold NaN/Inf pays one more copy, to count them exactly (see ``count_nonfinite``).
 """
 from __future__ import annotations
 
 import math
+from typing import Callable, Sequence
 
 import torch
+
+from ..ratios import GRAD_TO_DATA, UPDATE_TO_DATA, grad_to_data, update_to_data
 
 # Statistics of one tensor, in this order (columns "<kind>_<stat>" in the run file).
 STATS = ("mean", "std", "norm", "absmax", "zero_frac", "nonfinite")
@@ -170,3 +173,43 @@ def count_nonfinite(host: torch.Tensor, tensors: list) -> None:
     values = iter(torch.stack(present).cpu().tolist()) if present else iter(())
     for i, c in zip(flagged, counts):
         host[i, NONFINITE] = next(values) if c is not None else float("nan")
+
+
+class StepStatistics:
+    """The statistics of one recorded step: launched on the device as the tensors become available (gradients and
+    state before the step, when the step would change them; the rest after it), then read with one copy.
+
+    Keys are (parameter name, kind), kind one of "param", "grad", "update", "state.<key>"; ``read`` returns
+    {name: {"<kind>_<stat>": value, ..., "update_to_data": ..., "grad_to_data": ...}} in launch order."""
+
+    def __init__(self, zero_counts: Sequence[str]):
+        self._zero_counts = tuple(zero_counts)  # kinds whose fraction of exact zeros is counted (see stats_rows)
+        self._keys: list[tuple[str, str]] = []
+        self._rows: list[torch.Tensor] = []
+        self._recount: list = []  # per launch: its tensors, or a function giving them at read time
+
+    def launch(self, keys: list[tuple[str, str]], tensors: list[torch.Tensor],
+               recount: Callable[[], list] | None = None) -> None:
+        """Launch the statistics of `tensors`. `recount` gives, at read time, the tensors in which a flagged NaN/Inf
+        is counted (None for one no longer available); by default these same tensors, held until then."""
+        self._rows.append(stats_rows(tensors, [kind.split(".")[0] in self._zero_counts for _, kind in keys]))
+        self._keys += keys
+        self._recount.append(tensors if recount is None else recount)
+
+    def read(self) -> dict[str, dict[str, float]]:
+        """Everything launched, on the host, with update:data and grad:data per parameter."""
+        host = to_host(self._rows)
+        sources = []
+        for recount in self._recount:
+            sources += recount() if callable(recount) else recount
+        count_nonfinite(host, sources)
+        out: dict[str, dict[str, float]] = {}
+        for (name, kind), row in zip(self._keys, host.tolist()):
+            values = out.setdefault(name, {})
+            for stat, v in zip(STATS, row):
+                values[f"{kind}_{stat}"] = v
+        for values in out.values():
+            p_std = values.get("param_std", float("nan"))
+            values[UPDATE_TO_DATA] = float(update_to_data(values.get("update_std", float("nan")), p_std))
+            values[GRAD_TO_DATA] = float(grad_to_data(values.get("grad_std", float("nan")), p_std))
+        return out

@@ -1,128 +1,55 @@
-"""The recorder: attaches to optimizers through torch's step pre/post hooks and writes what each step did."""
+"""The recorder: attaches to optimizers through torch's step pre/post hooks and writes what each step did.
+
+This module holds the hooks and the recorder's lifecycle; the pieces it drives live next to it: parameter names
+(``naming``), copies of tensors (``snapshots``), statistics on the device (``device_stats``), the flight recorder
+(``flight_recorder``) and resume checks (``resume``). What reaches the writer is a ``upd.runfile.record.Record``.
+"""
 from __future__ import annotations
 
-import atexit
-import collections
 import dataclasses
-import fnmatch
-import math
 import os
 import platform
-import signal
-import statistics
 import sys
-import threading
 import time
 import warnings
-import weakref
 from typing import Sequence
 
 import torch
 
-from .. import __version__
-from ..runfile import encoding, schema
-from ..ratios import GRAD_TO_DATA, UPDATE_TO_DATA, grad_to_data, update_to_data
-from .device_stats import SPARSE_LAYOUTS, STATS, count_nonfinite, stats_rows, to_host
+from .. import __version__, lifetime
 from ..integrations.tensorboard import TensorBoardSink
+from ..runfile import encoding, schema
 from ..runfile.async_writer import AsyncRunWriter
-from ..runfile.writer import ParamSnapshot, RecordSnapshot, RunWriter  # noqa: F401  (tests swap RunWriter)
+from ..runfile.record import ParamSnapshot, Record
+from .device_stats import StepStatistics
+from .flight_recorder import FlightRecorder
+from .naming import ParamNames, is_selected, model_names, patterns
+from .resume import has_step_counter, initial_step, resume_problems
+from .snapshots import cpu_copy, dense, dtensor_class, hparams_snapshot, refuse_dtensor, state_snapshot
 
 
 class RecorderWarning(UserWarning):
     """The recorder stopped recording; training goes on."""
 
 
-# Recorders still open, closed at interpreter exit and on SIGTERM so their files end cleanly.
-_LIVE: "weakref.WeakSet[Recorder]" = weakref.WeakSet()
-_HANDLERS_INSTALLED = False
+@dataclasses.dataclass
+class _TrackedParam:
+    """One selected parameter during a step."""
+
+    live: torch.Tensor  # the parameter itself
+    snapshot: ParamSnapshot  # its name and place; at a full step also the CPU copies the record stores
+    before: torch.Tensor | None = None  # statistics-only step: its value before the step, kept on its device
 
 
-_PENDING_SIGNAL: list = []  # a SIGTERM that arrived while a recorder was inside its hook
+@dataclasses.dataclass
+class _StepInProgress:
+    """What the recorder holds between the pre- and the post-step hook; only `record` goes to the writer."""
 
-
-def _close_all_live() -> None:
-    for rec in list(_LIVE):
-        try:
-            rec.close()
-        except Exception:
-            pass
-
-
-def _install_exit_handlers() -> None:
-    """Close open runs at exit and on SIGTERM, then let the signal do what it did before (the user's handler, or
-    the default: terminate). Installed once, and only from the main thread (signal handlers can only be set there)."""
-    global _HANDLERS_INSTALLED
-    if _HANDLERS_INSTALLED:
-        return
-    _HANDLERS_INSTALLED = True
-    atexit.register(_close_all_live)
-    if threading.current_thread() is not threading.main_thread() or not hasattr(signal, "SIGTERM"):
-        return
-    previous = signal.getsignal(signal.SIGTERM)
-
-    def on_sigterm(signum, frame):
-        # Arriving in the middle of a recorder's hook (inside an HDF5 write), closing the file under that frame
-        # could corrupt it: the hook finishes first (milliseconds), then the signal is handled.
-        if any(rec._busy for rec in list(_LIVE)):
-            _PENDING_SIGNAL.append((signum, frame))
-            return
-        finish(signum, frame)
-
-    def finish(signum, frame):
-        _close_all_live()
-        if callable(previous):
-            previous(signum, frame)
-        elif previous == signal.SIG_IGN:
-            return
-        else:  # default action: terminate, as if we had never been here
-            signal.signal(signal.SIGTERM, signal.SIG_DFL)
-            os.kill(os.getpid(), signal.SIGTERM)
-
-    global _FINISH_SIGNAL
-    _FINISH_SIGNAL = finish
-    try:
-        signal.signal(signal.SIGTERM, on_sigterm)
-    except (ValueError, OSError):
-        pass
-
-
-_FINISH_SIGNAL = None
-
-
-def _group_hparams(group: dict) -> dict:
-    return {k: encoding.jsonable(v) for k, v in group.items() if k not in ("params", "param_names")}
-
-
-def _dense(tensor: torch.Tensor) -> torch.Tensor:
-    """A sparse gradient, parameter or state tensor as the dense tensor the run stores (no copy when dense)."""
-    return tensor.to_dense() if tensor.layout in SPARSE_LAYOUTS else tensor
-
-
-def _cpu_copy(tensor: torch.Tensor) -> torch.Tensor:
-    tensor = _dense(tensor.detach())
-    # .to(..., copy=True) always copies, so the snapshot cannot alias memory the optimizer updates in place.
-    return tensor.to("cpu", copy=True)
-
-
-def _dtensor_class():
-    """torch.distributed.tensor.DTensor when that module is loaded (no DTensor can exist otherwise), else None."""
-    return getattr(sys.modules.get("torch.distributed.tensor"), "DTensor", None)
-
-
-def _refuse_dtensor(dtensor_class, tensor, what: str) -> None:
-    """Stop recording at the first DTensor: its local shard is not the tensor the optimizer updates, and a gathered
-    copy would be a collective inside the optimizer's step (distributed recording is not supported yet)."""
-    if dtensor_class is not None and isinstance(tensor, dtensor_class):
-        placements = ", ".join(str(pl) for pl in getattr(tensor, "placements", ()))
-        raise TypeError(f"{what} is a DTensor (torch.distributed.tensor, placements [{placements}]); torch-upd "
-                        "does not record distributed tensors yet")
-
-
-def _initial_step(optimizer: torch.optim.Optimizer) -> int:
-    """Steps the optimizer already took (a resumed run), from its per-parameter 'step' state when it keeps one."""
-    steps = [int(s["step"]) for s in optimizer.state.values() if isinstance(s.get("step"), (int, float, torch.Tensor))
-             and (not isinstance(s.get("step"), torch.Tensor) or s["step"].numel() == 1)]
-    return max(steps, default=0)
+    record: Record
+    params: list[_TrackedParam]
+    selected: bool  # chosen by every= (with a flight recorder, full snapshots are kept for other steps too)
+    closure: bool  # step(closure): the gradient exists only inside the step
+    stats: StepStatistics | None  # a statistics step: some launched before the step, the rest after it
 
 
 class Recorder:
@@ -172,33 +99,25 @@ class Recorder:
         self.zero_counts = zero_counts
         self.flight_recorder = flight_recorder
         self.spike_factor = spike_factor
-        # Flight recorder: the last K steps' full snapshots per optimizer, in memory, written only on a trigger.
-        self._ring = [collections.deque(maxlen=flight_recorder or 1) for _ in optimizers]
-        self._norm_history = [collections.deque(maxlen=50) for _ in optimizers]  # (grad norm, update norm)
-        self._written_steps = [collections.deque(maxlen=max(64, 2 * (flight_recorder or 1))) for _ in optimizers]
-        self.dumps: list[dict] = []
+        self._flight: FlightRecorder | None = None  # made with the writer it dumps to
         self._tensorboard = None
         if tensorboard is not None:
             self._tensorboard = TensorBoardSink(tensorboard)
-        self.include = [include] if isinstance(include, str) else list(include or [])
-        self.exclude = [exclude] if isinstance(exclude, str) else list(exclude or [])
+        self.include = patterns(include)
+        self.exclude = patterns(exclude)
         self.what = what
         self.strict = strict
         self.active = False
-        self._busy = False  # inside one of our hooks (signal handlers must not close the file then)
         self.error: BaseException | None = None
 
-        self._model_names = {}
-        if model is not None:
-            # named_parameters() already drops duplicates: a tied parameter is recorded once, under its first name.
-            self._model_names = {id(p): n for n, p in model.named_parameters()}
+        names_in_model = model_names(model)
         self._handles = []
-        self._pending: dict[int, RecordSnapshot] = {}
-        self._steps_done = [_initial_step(opt) for opt in optimizers]
-        self._records = [0] * len(optimizers)
+        self._pending: dict[int, _StepInProgress] = {}
+        self._steps_done = [initial_step(opt) for opt in optimizers]
+        self._records = 0  # records written at the cadences (the flight recorder counts its dumps)
         self._backward_counts: dict[int, int] = {}
         self._hooked_params: set[int] = set()
-        self._names: list[dict[int, str]] = [dict() for _ in optimizers]
+        self._names = [ParamNames(names_in_model) for _ in optimizers]
         self._layouts: dict[int, tuple] = {}  # parameter ids when names were last assigned
 
         meta = {
@@ -217,7 +136,7 @@ class Recorder:
         if overwrite and resume:
             raise ValueError("pass overwrite=True or resume=True, not both")
         # HDF5 writes happen on a writer thread behind a queue of 2 records: training waits only when the disk is
-        # slower than training (../shared/notes: +5% instead of +24% inline).
+        # slower than training (+5% instead of +24% inline, docs/background.md).
         try:
             self._writer = AsyncRunWriter(self.path, meta, overwrite=overwrite, storage_dtype=dtype,
                                           compression=compression, resume=resume, max_pending=2)
@@ -231,6 +150,8 @@ class Recorder:
                           "continues without recording. Pass strict=True to raise instead.", RecorderWarning,
                           stacklevel=3)
             return
+        if flight_recorder is not None:
+            self._flight = FlightRecorder(self._writer, len(optimizers), flight_recorder, spike_factor)
         try:
             for i, opt in enumerate(optimizers):
                 opt_meta = {
@@ -253,70 +174,35 @@ class Recorder:
                         self._hook_backward_counter(p)
             if model is not None:
                 optimized = {id(p) for opt in optimizers for g in opt.param_groups for p in g["params"]}
-                self._writer.set_attr("params_not_optimized",
+                self._writer.set_attr(schema.ATTR_PARAMS_NOT_OPTIMIZED,
                                       [n for n, p in model.named_parameters() if id(p) not in optimized])
         except BaseException:
             self._remove_hooks()
             self._writer.close()
             raise
         self.active = True
-        _LIVE.add(self)
-        _install_exit_handlers()
+        lifetime.recorders.add(self)
 
     def _param_layout(self, opt_index: int, opt) -> list:
         """Name, shape and group of every parameter the optimizer holds now (resume compares against it)."""
-        return [{"name": self._param_name(opt_index, g, i, p, group), "shape": list(p.shape), "group": g}
+        names = self._names[opt_index]
+        return [{"name": names.name(p, g, i, group), "shape": list(p.shape), "group": g}
                 for g, group in enumerate(opt.param_groups) for i, p in enumerate(group["params"])]
 
     def _check_resume(self, index: int, opt, opt_meta: dict) -> None:
         stored = self._writer.optimizer_meta(index)
         if stored is None:
             return  # an optimizer the earlier run did not have: recorded from now on
-        problems = []
-        if stored.get("class") != opt_meta["class"]:
-            problems.append(f"optimizer {index} was {stored.get('class')}, now {opt_meta['class']}")
-        before = {p["name"]: p["shape"] for p in stored.get("params", [])}
-        now = {p["name"]: p["shape"] for p in opt_meta["params"]}
-        if stored.get("params") is not None:
-            missing, added = sorted(set(before) - set(now)), sorted(set(now) - set(before))
-            if missing:
-                problems.append(f"parameters no longer in optimizer {index}: {', '.join(missing)}")
-            if added:
-                problems.append(f"parameters new in optimizer {index}: {', '.join(added)}")
-            reshaped = [f"{n} {before[n]} -> {now[n]}" for n in sorted(set(before) & set(now)) if before[n] != now[n]]
-            if reshaped:
-                problems.append(f"shapes changed: {'; '.join(reshaped)}")
+        problems = resume_problems(index, stored, opt_meta)
         if problems:
             self._writer.close()
             raise ValueError(f"{self.path}: cannot resume into this run: " + "; ".join(problems)
                              + ". Record to a new file instead.")
-        if not any(isinstance(s.get("step"), torch.Tensor) for s in opt.state.values()):
+        if not has_step_counter(opt):
             # No step counter in the optimizer's state (plain SGD): continue after the last recorded step.
             last = self._writer.last_step(index)
             if last is not None:
                 self._steps_done[index] = max(self._steps_done[index], last + 1)
-
-    # -- naming and selection ---------------------------------------------------------------------------------
-    def _param_name(self, opt_index: int, group_index: int, index_in_group: int, param, group: dict) -> str:
-        names = self._names[opt_index]
-        if id(param) in names:
-            return names[id(param)]
-        name = self._model_names.get(id(param))
-        if name is None and "param_names" in group and index_in_group < len(group["param_names"]):
-            name = group["param_names"][index_in_group]
-        if name is None:
-            name = f"group{group_index}.param{index_in_group}"
-        # '/' separates HDF5 path components, so it cannot appear in a dataset name.
-        name = name.replace("/", "|")
-        if name in names.values():
-            name = f"{name}#{len(names)}"
-        names[id(param)] = name
-        return name
-
-    def _selected(self, name: str) -> bool:
-        if self.include and not any(fnmatch.fnmatchcase(name, pat) for pat in self.include):
-            return False
-        return not any(fnmatch.fnmatchcase(name, pat) for pat in self.exclude)
 
     # -- backward-pass counting -------------------------------------------------------------------------------
     def _hook_backward_counter(self, param: torch.Tensor) -> None:
@@ -341,36 +227,34 @@ class Recorder:
             # args is (optimizer, *step_args): a closure is step's first positional argument or `closure=`.
             closure = args[1] if len(args) > 1 else kwargs.get("closure")
             self._guard(self._before_step, opt_index, optimizer, closure is not None)
-            rec = self._pending.get(opt_index)
-            if closure is None or rec is None or not self.active:
+            pending = self._pending.get(opt_index)
+            if closure is None or pending is None or not self.active:
                 return None
-            wrapped = self._wrap_closure(rec, optimizer, closure)
+            wrapped = self._wrap_closure(pending, closure)
             if len(args) > 1:
                 return (args[0], wrapped, *args[2:]), kwargs
             return args, dict(kwargs, closure=wrapped)
         return pre_hook
 
-    def _wrap_closure(self, rec: RecordSnapshot, optimizer, closure):
+    def _wrap_closure(self, pending: _StepInProgress, closure):
         """Closure-driven optimizers (LBFGS) compute the gradient inside step(): capture the gradient of the first
         evaluation (at the parameters before the step) and every evaluation's loss."""
-        params = {id(p): p for group in optimizer.param_groups for p in group["params"]}
-
         def recording_closure(*args, **kwargs):
             loss = closure(*args, **kwargs)
             if self.active:
-                self._guard(self._closure_evaluated, rec, params, loss)
+                self._guard(self._closure_evaluated, pending, loss)
             return loss
         return recording_closure
 
-    def _closure_evaluated(self, rec: RecordSnapshot, params: dict, loss) -> None:
-        first = not rec.closure_losses
+    def _closure_evaluated(self, pending: _StepInProgress, loss) -> None:
+        losses = pending.record.closure_losses
+        first = not losses
         value = loss.detach() if isinstance(loss, torch.Tensor) else loss
-        rec.closure_losses.append(float(value) if value is not None else float("nan"))
-        if first and "grad" in self.what:
-            for snap in rec.params:
-                p = params.get(snap.param_id)
-                if p is not None and p.grad is not None:
-                    snap.grad = _cpu_copy(p.grad)
+        losses.append(float(value) if value is not None else float("nan"))
+        if first and "grad" in self.what and pending.record.full:
+            for tracked in pending.params:
+                if tracked.live.grad is not None:
+                    tracked.snapshot.grad = cpu_copy(tracked.live.grad)
 
     def _make_post_hook(self, opt_index: int):
         def post_hook(optimizer, args, kwargs):
@@ -379,22 +263,18 @@ class Recorder:
         return post_hook
 
     def _guard(self, fn, *args) -> None:
-        self._busy = True
-        try:
-            fn(*args)
-        except Exception as exc:  # never take training down with the recorder
-            self._fail(exc)
-        finally:
-            self._busy = False
-            if _PENDING_SIGNAL and _FINISH_SIGNAL is not None:
-                _FINISH_SIGNAL(*_PENDING_SIGNAL.pop())
+        with lifetime.signals_deferred(self):  # no SIGTERM closes the file under a write in progress
+            try:
+                fn(*args)
+            except Exception as exc:  # never take training down with the recorder
+                self._fail(exc)
 
     def _fail(self, exc: BaseException) -> None:
         self.error = exc
         self.active = False
         self._pending.clear()
-        for ring in self._ring:
-            ring.clear()
+        if self._flight is not None:
+            self._flight.clear()
         # The hooks stay registered (inactive) until close(): removing them here, while torch iterates over the
         # optimizer's hook dict, would raise "OrderedDict mutated during iteration" into the training loop.
         self._writer.abort()
@@ -407,219 +287,148 @@ class Recorder:
         warnings.warn(f"torch-upd: recording to {self.path} stopped ({type(exc).__name__}: {exc}); "
                       "training continues. Pass strict=True to raise instead.", RecorderWarning, stacklevel=4)
 
+    # -- one step ---------------------------------------------------------------------------------------------
     def _before_step(self, opt_index: int, optimizer: torch.optim.Optimizer, closure_step: bool = False) -> None:
         self._pending.pop(opt_index, None)  # a step that raised never reached its post-hook
         step = self._steps_done[opt_index]
+        names = self._names[opt_index]
         # Names and backward counters only change when parameters do (add_param_group, a swapped tensor): a tuple
         # of ids is far cheaper than naming and hooking every parameter again at every step.
         layout = tuple(id(p) for group in optimizer.param_groups for p in group["params"])
-        dtensor = _dtensor_class()
+        dtensor = dtensor_class()
         if self._layouts.get(opt_index) != layout:
             for g, group in enumerate(optimizer.param_groups):
                 for i, p in enumerate(group["params"]):
-                    name = self._param_name(opt_index, g, i, p, group)
-                    _refuse_dtensor(dtensor, p, f"parameter {name}")
+                    name = names.name(p, g, i, group)
+                    refuse_dtensor(dtensor, p, f"parameter {name}")
                     self._hook_backward_counter(p)
             self._layouts[opt_index] = layout
         selected = self.every is not None and step % self.every == 0
-        full = selected or self.flight_recorder is not None  # the flight recorder keeps every step in memory
+        full = selected or self._flight is not None  # the flight recorder keeps every step in memory
         with_stats = self.stats_every is not None and step % self.stats_every == 0
         if not (full or with_stats):
             return
-        names = self._names[opt_index]
-        snaps = []
+        params = []
         for g, group in enumerate(optimizer.param_groups):
             for i, p in enumerate(group["params"]):
-                name = names[id(p)]
+                name = names[p]
                 # The optimizer skips a parameter without a gradient, so there is nothing to record for it; with a
                 # closure the gradient appears only inside step(), so that is decided after the step.
-                if (p.grad is None and not closure_step) or not self._selected(name):
+                if (p.grad is None and not closure_step) or not is_selected(name, self.include, self.exclude):
                     continue
                 if dtensor is not None:  # a DTensor gradient or state of a plain parameter: stop at the first one
-                    _refuse_dtensor(dtensor, p.grad, f"the gradient of {name}")
+                    refuse_dtensor(dtensor, p.grad, f"the gradient of {name}")
                     for key, value in optimizer.state.get(p, {}).items():
-                        _refuse_dtensor(dtensor, value, f"optimizer state {key!r} of {name}")
-                snap = ParamSnapshot(name=name, group=g, index_in_group=i, param_id=id(p))
+                        refuse_dtensor(dtensor, value, f"optimizer state {key!r} of {name}")
+                tracked = _TrackedParam(live=p, snapshot=ParamSnapshot(name=name, group=g, index_in_group=i))
                 if full:
+                    snap = tracked.snapshot
                     if "param" in self.what:
-                        snap.param = _cpu_copy(p)
+                        snap.param = cpu_copy(p)
                     if "grad" in self.what and not closure_step:
-                        snap.grad = _cpu_copy(p.grad)
+                        snap.grad = cpu_copy(p.grad)
                     if "state" in self.what:
-                        snap.state = self._state_snapshot(optimizer.state.get(p, {}))
-                elif with_stats:
+                        snap.state = state_snapshot(optimizer.state.get(p, {}))
+                else:
                     # Statistics only: the one snapshot the update needs, kept on the parameter's device and freed
                     # after the step.
-                    snap.param = p.detach().clone()
-                snap.param_after = p  # replaced by a copy in the post-hook
-                snaps.append(snap)
+                    tracked.before = p.detach().clone()
+                params.append(tracked)
         backward = max((self._backward_counts.get(id(p), 0) for g in optimizer.param_groups for p in g["params"]),
                        default=0)
-        pre_stats = None
-        if with_stats and not full:
-            # Gradient and state statistics must see the values before the step (the state is updated in place):
-            # launched now for all parameters at once, read after the step with everything else.
-            keys, tensors = [], []
-            for snap in snaps:
-                p = snap.param_after
-                if p.grad is not None and not closure_step:
-                    keys.append((snap.name, "grad"))
-                    tensors.append(p.grad)
-                for key, value in optimizer.state.get(p, {}).items():
-                    if isinstance(value, torch.Tensor) and value.numel() > 0:
-                        keys.append((snap.name, f"state.{key}"))
-                        tensors.append(value)
-            pre_stats = (keys, stats_rows(tensors, self._count_zeros(keys)))
-        self._pending[opt_index] = RecordSnapshot(
-            optimizer=opt_index, step=step, backward_pass=backward, wall_time=time.time(),
-            hparams=[_group_hparams(g) for g in optimizer.param_groups], params=snaps, closure=closure_step,
-            full=full, stats={} if with_stats else None, selected=selected, pre_stats=pre_stats)
+        stats = None
+        if with_stats:
+            stats = StepStatistics(self.zero_counts)
+            if not full:
+                self._launch_stats_before_step(stats, params, optimizer, closure_step)
+        record = Record(optimizer=opt_index, step=step, backward_pass=backward, wall_time=time.time(),
+                        hparams=[hparams_snapshot(g) for g in optimizer.param_groups],
+                        params=[t.snapshot for t in params] if full else [],
+                        closure_losses=[] if closure_step else None, full=full)
+        self._pending[opt_index] = _StepInProgress(record=record, params=params, selected=selected,
+                                                   closure=closure_step, stats=stats)
 
-    def _count_zeros(self, keys) -> list[bool]:
-        return [kind.split(".")[0] in self.zero_counts for _, kind in keys]
+    @staticmethod
+    def _launch_stats_before_step(stats: StepStatistics, params: list[_TrackedParam], optimizer,
+                                  closure_step: bool) -> None:
+        """Gradient and state statistics of a statistics-only step must see the values before the step (the state is
+        updated in place): launched now for all parameters at once, read after the step with everything else."""
+        keys, tensors = [], []
+        for tracked in params:
+            p, name = tracked.live, tracked.snapshot.name
+            if p.grad is not None and not closure_step:
+                keys.append((name, "grad"))
+                tensors.append(p.grad)
+            for key, value in optimizer.state.get(p, {}).items():
+                if isinstance(value, torch.Tensor) and value.numel() > 0:
+                    keys.append((name, f"state.{key}"))
+                    tensors.append(value)
+        live = {tracked.snapshot.name: tracked.live for tracked in params}
 
-    def _step_statistics(self, rec: RecordSnapshot, optimizer) -> dict:
+        def after_the_step():
+            # A NaN/Inf recount reads the tensor again: the gradient is still there; the state has been updated
+            # in place by the step, so its count is of the state after the step.
+            return [live[name].grad if kind == "grad" else
+                    optimizer.state.get(live[name], {}).get(kind[len("state."):]) for name, kind in keys]
+        stats.launch(keys, tensors, recount=after_the_step)
+
+    def _step_statistics(self, pending: _StepInProgress) -> dict:
         """Summary statistics of every recorded parameter at this step, with one device-to-host copy in all."""
-        index, tensors, updates = [], [], []
-        for snap in rec.params:
-            live = snap.param_after  # the parameter itself, after the step
-            if rec.full:  # statistics of the CPU copies taken for the full record
-                kinds = {"param": snap.param, "grad": snap.grad}
-                kinds.update({f"state.{k}": v for k, v in snap.state.items()})
+        full = pending.record.full
+        keys, tensors, update_keys, updates = [], [], [], []
+        for tracked in pending.params:
+            snap, live = tracked.snapshot, tracked.live  # live: the parameter itself, after the step
+            if full:  # statistics of the CPU copies taken for the full record
+                before = snap.param
+                kinds = {"param": snap.param, "grad": snap.grad, **{f"state.{k}": v for k, v in snap.state.items()}}
             else:
-                kinds = {"param": snap.param}
-                if rec.closure and live.grad is not None:  # step(closure): the gradient of the last call
+                before = tracked.before
+                kinds = {"param": before}
+                if pending.closure and live.grad is not None:  # step(closure): the gradient of the last call
                     kinds["grad"] = live.grad
             for kind, t in kinds.items():
                 if t is not None:
-                    index.append((snap.name, kind))
+                    keys.append((snap.name, kind))
                     tensors.append(t)
-            if snap.param is not None:
-                updates.append(snap)
-        parts = [stats_rows(tensors, self._count_zeros(index))]
-        update_tensors = []
-        for snap in updates:
-            live = snap.param_after.detach()
-            update_tensors.append((_dense(live).to("cpu") if rec.full else live) - snap.param)
-            index.append((snap.name, "update"))
-        parts.append(stats_rows(update_tensors, "update" in self.zero_counts))
-        sources = tensors + update_tensors
-        if rec.pre_stats is not None:
-            pre_keys, pre_rows = rec.pre_stats
-            parts.insert(0, pre_rows)
-            index = list(pre_keys) + index
-            # A NaN/Inf recount reads the tensor again: the gradient is still there; the state has been updated
-            # in place by the step, so its count is of the state after the step.
-            live = {snap.name: snap.param_after for snap in rec.params}
-            sources = [live[name].grad if kind == "grad" else
-                       optimizer.state.get(live[name], {}).get(kind[len("state."):]) for name, kind in pre_keys] + sources
-        host = to_host(parts)
-        count_nonfinite(host, sources)
-        for snap in rec.params:
-            live_p = snap.param_after
-            rec.stats_meta[snap.name] = {"name": snap.name, "group": snap.group, "index_in_group": snap.index_in_group,
-                                         "shape": list(live_p.shape), "dtype": str(live_p.dtype).replace("torch.", "")}
-        out: dict[str, dict] = {}
-        for (name, kind), row in zip(index, host.tolist()):
-            values = out.setdefault(name, {})
-            for stat, v in zip(STATS, row):
-                values[f"{kind}_{stat}"] = v
-        for values in out.values():
-            p_std = values.get("param_std", float("nan"))
-            values[UPDATE_TO_DATA] = float(update_to_data(values.get("update_std", float("nan")), p_std))
-            values[GRAD_TO_DATA] = float(grad_to_data(values.get("grad_std", float("nan")), p_std))
-        return out
-
-    @staticmethod
-    def _state_snapshot(state: dict) -> dict:
-        out = {}
-        for key, value in state.items():
-            if isinstance(value, torch.Tensor):
-                out[str(key)] = _cpu_copy(value)
-            elif isinstance(value, (bool, int, float)):
-                out[str(key)] = torch.tensor(float(value), dtype=torch.float64)
-            # Other state (LBFGS's lists of history tensors, None buffers) has no fixed tensor shape to store.
-        return out
+            if before is not None:
+                after = live.detach()
+                updates.append((dense(after).to("cpu") if full else after) - before)
+                update_keys.append((snap.name, "update"))
+        pending.stats.launch(keys, tensors)
+        pending.stats.launch(update_keys, updates)
+        return pending.stats.read()
 
     def _after_step(self, opt_index: int, optimizer: torch.optim.Optimizer) -> None:
         self._steps_done[opt_index] += 1
-        rec = self._pending.pop(opt_index, None)
-        if rec is None:
+        pending = self._pending.pop(opt_index, None)
+        if pending is None:
             return
-        if rec.closure and "grad" in self.what and rec.full:
+        rec = pending.record
+        if pending.closure and "grad" in self.what and rec.full:
             # Parameters the closure gave no gradient were skipped by the optimizer, as in a plain step.
-            rec.params = [snap for snap in rec.params if snap.grad is not None]
-        if rec.stats is not None:
-            rec.stats = self._step_statistics(rec, optimizer)
+            pending.params = [t for t in pending.params if t.snapshot.grad is not None]
+            rec.params = [t.snapshot for t in pending.params]
+        if pending.stats is not None:
+            rec.stats = self._step_statistics(pending)
+            rec.stats_meta = {t.snapshot.name: {"name": t.snapshot.name, "group": t.snapshot.group,
+                                                "index_in_group": t.snapshot.index_in_group,
+                                                "shape": list(t.live.shape),
+                                                "dtype": str(t.live.dtype).replace("torch.", "")}
+                              for t in pending.params}
         if rec.full:
-            for snap in rec.params:
-                snap.param_after = _cpu_copy(snap.param_after) if "param" in self.what else None
-        else:
-            rec.params = []  # statistics only: release the device snapshots now
-        if self.flight_recorder is None:
+            for t in pending.params:
+                t.snapshot.param_after = cpu_copy(t.live) if "param" in self.what else None
+        selected = pending.selected
+        del pending  # statistics only: the device snapshots are released now, before the writer may block
+        if self._flight is None:
             self._writer.write(rec)
         else:
-            self._flight_step(opt_index, rec)
+            self._flight.step(rec, selected)
         if self._tensorboard is not None and rec.stats:
             prefix = f"opt{opt_index}:" if opt_index else ""
             self._tensorboard.write(rec.step, {prefix + name: values for name, values in rec.stats.items()})
-        if self.flight_recorder is None or rec.selected:
-            self._records[opt_index] += 1
-
-    # -- flight recorder --------------------------------------------------------------------------------------
-    def _flight_step(self, opt_index: int, rec: RecordSnapshot) -> None:
-        """Write what the cadences ask for, keep the full snapshot in the ring, dump the ring on a trigger."""
-        if rec.selected or rec.stats is not None:
-            self._writer.write(dataclasses.replace(rec, full=rec.selected))
-            if rec.selected:
-                self._written_steps[opt_index].append(rec.step)
-        self._ring[opt_index].append(dataclasses.replace(rec, stats=None, full=True))
-        reason = self._trigger(opt_index, rec)
-        if reason:
-            self._dump(opt_index, reason, rec.step)
-
-    def _trigger(self, opt_index: int, rec: RecordSnapshot) -> str | None:
-        grads = [s.grad for s in rec.params if s.grad is not None]
-        updates = [s.param_after - s.param for s in rec.params if s.param is not None and s.param_after is not None]
-        # Norms of the CPU snapshot: a NaN/Inf anywhere makes the norm non-finite.
-        grad_norm = float(torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g.double()) for g in grads])))\
-            if grads else 0.0
-        update_norm = float(torch.linalg.vector_norm(torch.stack(
-            [torch.linalg.vector_norm(u.double()) for u in updates]))) if updates else 0.0
-        history = self._norm_history[opt_index]
-        reason = None
-        if not math.isfinite(grad_norm):
-            reason = f"non-finite gradient at step {rec.step}"
-        elif not math.isfinite(update_norm):
-            reason = f"non-finite update at step {rec.step}"
-        elif len(history) >= 5:
-            median_grad = statistics.median(h[0] for h in history)
-            median_update = statistics.median(h[1] for h in history)
-            if median_grad > 0 and grad_norm > self.spike_factor * median_grad:
-                reason = (f"gradient norm spike at step {rec.step}: {grad_norm:.3g} > {self.spike_factor:g} x "
-                          f"recent median {median_grad:.3g}")
-            elif median_update > 0 and update_norm > self.spike_factor * median_update:
-                reason = (f"update norm spike at step {rec.step}: {update_norm:.3g} > {self.spike_factor:g} x "
-                          f"recent median {median_update:.3g}")
-        if math.isfinite(grad_norm) and math.isfinite(update_norm):
-            history.append((grad_norm, update_norm))
-        return reason
-
-    def _dump(self, opt_index: int, reason: str, trigger_step: int) -> None:
-        written = self._written_steps[opt_index]
-        steps = []
-        for rec in self._ring[opt_index]:
-            if rec.step in written:
-                continue
-            self._writer.write(rec)
-            written.append(rec.step)
-            steps.append(rec.step)
-            self._records[opt_index] += 1
-        self._ring[opt_index].clear()
-        info = {"optimizer": opt_index, "reason": reason, "trigger_step": trigger_step, "steps": steps,
-                "wall_time": time.time()}
-        self.dumps.append(info)
-        self._writer.add_dump(info)
+        if self._flight is None or selected:
+            self._records += 1
 
     def dump(self, reason: str = "requested by the user") -> None:
         """Write the flight recorder's in-memory steps to the run now (e.g. from your own anomaly check)."""
@@ -627,9 +436,7 @@ class Recorder:
             raise RuntimeError("dump() needs upd.record(..., flight_recorder=K)")
         if not self.active:
             return
-        for opt_index in range(len(self.optimizers)):
-            if self._ring[opt_index]:
-                self._guard(self._dump, opt_index, reason, self._ring[opt_index][-1].step)
+        self._guard(self._flight.dump, reason)
 
     # -- lifetime ---------------------------------------------------------------------------------------------
     def _remove_hooks(self) -> None:
@@ -640,7 +447,12 @@ class Recorder:
     @property
     def records(self) -> int:
         """Records committed so far, over all optimizers."""
-        return sum(self._records)
+        return self._records + (self._flight.records_dumped if self._flight is not None else 0)
+
+    @property
+    def dumps(self) -> list[dict]:
+        """The flight recorder's dumps so far: optimizer, reason, trigger_step, steps written, wall_time."""
+        return self._flight.dumps if self._flight is not None else []
 
     def close(self) -> None:
         """Remove every hook and close the file. Safe to call twice, and after recording stopped on an error."""
@@ -650,11 +462,11 @@ class Recorder:
         self._pending.clear()
         if self._tensorboard is not None:
             self._tensorboard.close()
-        _LIVE.discard(self)
+        lifetime.recorders.discard(self)
         if was_active:
             try:
                 try:
-                    self._writer.set_attr("closed_cleanly", True)
+                    self._writer.set_attr(schema.ATTR_CLOSED_CLEANLY, True)
                 finally:
                     self._writer.close()
             except Exception as exc:

@@ -1,0 +1,145 @@
+"""What torch-upd must close before the process ends, in one place and in the one order that is safe.
+
+Three kinds of objects hold files that must not be left to the interpreter's teardown:
+
+* recorders: an open run is finished (``closed_cleanly``) only by ``Recorder.close()``, which also closes the
+  recorder's writer, so its queued records are written;
+* async writers, and the threads of async writers that were garbage collected while records were still queued:
+  the writer thread is a daemon and would otherwise be stopped mid-record;
+* runs open for reading: h5py's fileobj driver must not outlive the interpreter; a run left open at exit would crash
+  HDF5's own shutdown (a segfault after the Python objects it calls are gone).
+
+At interpreter exit they are closed in that order, while Python still runs: recorders first (closing their writers),
+then writers opened on their own, then the collected writers' threads are waited for, then the runs.
+
+On SIGTERM only the recorders are closed, then the signal does what it did before: the user's handler runs, or the
+default action terminates the process. Only the recorders: the signal may land in the middle of a read of an open
+run, and h5py cannot close a file from inside one of its own calls; when the process goes on (a user handler that
+exits), the exit closes the rest. A SIGTERM that arrives while a recorder is inside its hook (an HDF5 write may be in
+progress) waits until the hook returns, milliseconds later (``signals_deferred``).
+"""
+from __future__ import annotations
+
+import atexit
+import contextlib
+import os
+import signal
+import threading
+import warnings
+import weakref
+
+
+class _Open:
+    """Objects of one kind that are open now. Held weakly unless `weak` is False: being registered here never keeps
+    an object alive."""
+
+    def __init__(self, weak: bool = True, closed_on_sigterm: bool = False):
+        self._objects = weakref.WeakSet() if weak else set()
+        self._closed_on_sigterm = closed_on_sigterm
+
+    def add(self, obj) -> None:
+        _install_handlers(sigterm=self._closed_on_sigterm)
+        self._objects.add(obj)
+
+    def discard(self, obj) -> None:
+        self._objects.discard(obj)
+
+    def __iter__(self):
+        return iter(list(self._objects))  # a copy: closing an object removes it from the set
+
+
+recorders = _Open(closed_on_sigterm=True)
+writers = _Open()
+writer_threads = _Open(weak=False)  # a collected writer's thread is still draining: it must be waited for
+runs = _Open()
+
+_install_lock = threading.Lock()
+_at_exit_installed = False
+_sigterm_installed = False
+_inside_hooks: "weakref.WeakSet" = weakref.WeakSet()  # recorders inside a hook now
+_pending_signal: list = []  # a SIGTERM that arrived while a recorder was inside its hook
+_finish_signal = None  # what a deferred SIGTERM runs once the hook has returned
+
+
+def _close_recorders() -> None:
+    for recorder in recorders:
+        try:
+            recorder.close()
+        except Exception:
+            pass
+
+
+def close_all() -> None:
+    """Close everything still open, in the safe order (see the module docstring). Runs at interpreter exit."""
+    _close_recorders()
+    for writer in writers:
+        try:
+            writer.close()
+        except BaseException as exc:
+            warnings.warn(f"torch-upd: writing {writer.path} failed ({type(exc).__name__}: {exc}); records after "
+                          "the failure are missing", RuntimeWarning)
+    for thread in writer_threads:
+        thread.join()
+    for run in runs:
+        try:
+            run.close()
+        except Exception:
+            pass
+
+
+def _install_handlers(sigterm: bool) -> None:
+    """Register close_all at exit on first use (after the libraries torch-upd uses registered theirs, so it runs
+    before them), and the SIGTERM handler with the first recorder: once each."""
+    global _at_exit_installed, _sigterm_installed
+    if _at_exit_installed and (_sigterm_installed or not sigterm):
+        return
+    with _install_lock:
+        if not _at_exit_installed:
+            _at_exit_installed = True
+            atexit.register(close_all)
+        if sigterm and not _sigterm_installed:
+            _sigterm_installed = True
+            _install_sigterm_handler()
+
+
+def _install_sigterm_handler() -> None:
+    # Signal handlers can only be set from the main thread: a recorder made elsewhere is closed at exit only.
+    if threading.current_thread() is not threading.main_thread() or not hasattr(signal, "SIGTERM"):
+        return
+    previous = signal.getsignal(signal.SIGTERM)
+
+    def on_sigterm(signum, frame):
+        # Closing the file under a recorder's hook, inside an HDF5 write, could corrupt it: the hook finishes first.
+        if len(_inside_hooks):
+            _pending_signal.append((signum, frame))
+            return
+        finish(signum, frame)
+
+    def finish(signum, frame):
+        _close_recorders()
+        if callable(previous):
+            previous(signum, frame)
+        elif previous == signal.SIG_IGN:
+            return
+        else:  # default action: terminate, as if we had never been here
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    global _finish_signal
+    _finish_signal = finish
+    try:
+        signal.signal(signal.SIGTERM, on_sigterm)
+    except (ValueError, OSError):
+        pass
+
+
+@contextlib.contextmanager
+def signals_deferred(recorder):
+    """The recorder is inside its hook: a SIGTERM arriving now is handled when the block ends."""
+    _inside_hooks.add(recorder)
+    try:
+        yield
+    finally:
+        _inside_hooks.discard(recorder)
+        if _pending_signal and _finish_signal is not None:
+            _finish_signal(*_pending_signal.pop())

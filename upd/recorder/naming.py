@@ -1,0 +1,56 @@
+"""Parameter names in the run file, and which parameters ``include=``/``exclude=`` select.
+
+A name is fixed the first time the recorder sees a parameter and never changes afterwards: it is the parameter's
+dataset path in the file, and resuming a run matches parameters by it.
+"""
+from __future__ import annotations
+
+import fnmatch
+
+
+def model_names(model) -> dict[int, str]:
+    """id(parameter) -> name in the model. named_parameters() already drops duplicates: a tied parameter is recorded
+    once, under its first name."""
+    return {} if model is None else {id(p): n for n, p in model.named_parameters()}
+
+
+class ParamNames:
+    """The names of one optimizer's parameters: from the model, else the optimizer's ``param_names`` (an optimizer
+    built from ``named_parameters()``), else ``group{g}.param{i}``; unique within the optimizer."""
+
+    def __init__(self, names_in_model: dict[int, str]):
+        self._names_in_model = names_in_model
+        self._by_id: dict[int, str] = {}
+
+    def name(self, param, group_index: int, index_in_group: int, group: dict) -> str:
+        """The parameter's name, given on first sight."""
+        name = self._by_id.get(id(param))
+        if name is not None:
+            return name
+        name = self._names_in_model.get(id(param))
+        if name is None and "param_names" in group and index_in_group < len(group["param_names"]):
+            name = group["param_names"][index_in_group]
+        if name is None:
+            name = f"group{group_index}.param{index_in_group}"
+        # '/' separates HDF5 path components, so it cannot appear in a dataset name.
+        name = name.replace("/", "|")
+        if name in self._by_id.values():
+            name = f"{name}#{len(self._by_id)}"
+        self._by_id[id(param)] = name
+        return name
+
+    def __getitem__(self, param) -> str:
+        """The name of a parameter already named."""
+        return self._by_id[id(param)]
+
+
+def patterns(value) -> list[str]:
+    """include=/exclude= as a list: one glob pattern, several, or None."""
+    return [value] if isinstance(value, str) else list(value or [])
+
+
+def is_selected(name: str, include: list[str], exclude: list[str]) -> bool:
+    """True when `name` matches an include pattern (or there are none) and no exclude pattern."""
+    if include and not any(fnmatch.fnmatchcase(name, pat) for pat in include):
+        return False
+    return not any(fnmatch.fnmatchcase(name, pat) for pat in exclude)

@@ -1,0 +1,40 @@
+"""Resuming a run (training restarted from a checkpoint): where step numbers continue, and what must not change.
+
+Records of one run are compared step by step and parameter by parameter by name, so a resumed run must hold the same
+optimizer class and the same parameters with the same shapes; anything else belongs in a new file.
+"""
+from __future__ import annotations
+
+import torch
+
+
+def initial_step(optimizer: torch.optim.Optimizer) -> int:
+    """Steps the optimizer already took (a resumed run), from its per-parameter 'step' state when it keeps one."""
+    steps = [int(s["step"]) for s in optimizer.state.values() if isinstance(s.get("step"), (int, float, torch.Tensor))
+             and (not isinstance(s.get("step"), torch.Tensor) or s["step"].numel() == 1)]
+    return max(steps, default=0)
+
+
+def has_step_counter(optimizer: torch.optim.Optimizer) -> bool:
+    """Whether the optimizer's state counts its steps (plain SGD keeps no counter)."""
+    return any(isinstance(s.get("step"), torch.Tensor) for s in optimizer.state.values())
+
+
+def resume_problems(index: int, stored: dict, now: dict) -> list[str]:
+    """Why optimizer `index` cannot be appended to the run: its stored metadata against the metadata it has now
+    (class, and parameter names and shapes when the run stored them). Empty when it can."""
+    problems = []
+    if stored.get("class") != now["class"]:
+        problems.append(f"optimizer {index} was {stored.get('class')}, now {now['class']}")
+    if stored.get("params") is not None:
+        before = {p["name"]: p["shape"] for p in stored["params"]}
+        after = {p["name"]: p["shape"] for p in now["params"]}
+        missing, added = sorted(set(before) - set(after)), sorted(set(after) - set(before))
+        if missing:
+            problems.append(f"parameters no longer in optimizer {index}: {', '.join(missing)}")
+        if added:
+            problems.append(f"parameters new in optimizer {index}: {', '.join(added)}")
+        reshaped = [f"{n} {before[n]} -> {after[n]}" for n in sorted(set(before) & set(after)) if before[n] != after[n]]
+        if reshaped:
+            problems.append(f"shapes changed: {'; '.join(reshaped)}")
+    return problems
