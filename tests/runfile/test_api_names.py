@@ -67,3 +67,11 @@ def test_the_bound_table_is_not_mistaken_for_the_table(run):
     with pytest.warns(DeprecationWarning):
         assert run.params.shape == run.params().shape
     assert np.array_equal(run.steps()["step"], run.optimizers[0].steps)
+
+
+def test_a_table_kept_past_close_still_holds_its_rows():
+    with upd.open_run(ADAM) as r:
+        kept_old, kept_new = r.steps, r.steps()
+    assert len(kept_new) == 20
+    with pytest.warns(DeprecationWarning):
+        assert len(kept_old) == 20

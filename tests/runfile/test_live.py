@@ -1,8 +1,7 @@
 """Reading a run while it is being written: from another process, from the training process itself, and the
 failures that must be reported instead of read (a writer stuck inside a record, a file that changes during the copy).
-`python benchmarks/live_read.py` runs the cross-process check at scale."""
+`python -m benchmarks.live_read` runs the cross-process check at scale."""
 import os
-import sys
 import time
 
 import pytest
@@ -14,16 +13,13 @@ from upd.runfile import livelock
 from upd.cli.main import main as cli
 from upd.runfile.writer import RunWriter
 
-from conftest import MLP
-
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
-
-import live_read  # noqa: E402
+from tests.harness import live as live_read
+from tests.harness.training import MLP
 
 pytestmark = pytest.mark.skipif(not livelock.supported(), reason="no open-file-description locks on this platform")
 
 
+@pytest.mark.slow
 def test_reads_while_another_process_writes_then_after_sigkill(tmp_path):
     reads, final = live_read.run_live_reads(reads=6, seed=3, width=32, pause=0.02, steps=300, low=0.1, high=0.4,
                                             workdir=str(tmp_path))
@@ -54,7 +50,7 @@ def test_training_process_reads_its_own_run(tmp_path):
             with upd.open_run(path) as run:
                 assert run.live
                 seen.append(run.optimizers[0].num_records)
-                assert list(run.optimizers[0].step) == list(range(seen[-1]))
+                assert list(run.optimizers[0].steps) == list(range(seen[-1]))
                 assert run.describe()["live"] is True
             report = upd.verify(path)
             assert report.live and report.matched > 0 and report.exit_code == 0

@@ -1,6 +1,11 @@
 """The run file, both sides: its schema, encoding, writer, reader and the live-read lock protocol.
 
 Nothing outside this package names an HDF5 group, dataset or attribute: ask ``schema`` for the names.
+
+- ``schema``: the layout, declared once (docs/format.md states the same); ``encoding``: JSON and dtypes;
+- writing: ``record`` (the writer's input), ``writer``, ``async_writer``; ``livelock`` (reading while writing);
+- reading: ``errors`` (RunFileError, the I/O edge), ``guards`` (HDF5 byte-level checks), ``validate`` (structure
+  checks against the schema), ``reader`` (Run, OptimizerRun, ParamRecord), ``stats_table``.
 """
 from .reader import OptimizerRun, ParamRecord, Run, RunFileError, open_run
 

@@ -4,6 +4,7 @@ The torch -> numpy dtype map lives here and nowhere else; docs/format.md describ
 """
 from __future__ import annotations
 
+import functools
 import json
 import math
 from typing import Any
@@ -41,22 +42,26 @@ def jsonable(value: Any) -> Any:
     if isinstance(value, torch.Tensor):
         data = value.detach().cpu()
         return {"tensor": data.double().tolist() if data.is_floating_point() else data.tolist(),
-                "dtype": str(data.dtype).replace("torch.", "")}
+                "dtype": dtype_name(data.dtype)}
     if isinstance(value, (list, tuple)):
         return [jsonable(v) for v in value]
     if isinstance(value, dict):
         return {str(k): jsonable(v) for k, v in value.items()}
     if isinstance(value, torch.dtype):
-        return str(value).replace("torch.", "")
+        return dtype_name(value)
     if isinstance(value, (np.floating, np.integer, np.bool_)):
         return value.item()
     return {"repr": repr(value)}
 
 
 def hparam_value(value: Any) -> Any:
-    """The numeric value of a JSON-encoded hyperparameter (tensor hyperparameters unwrapped to floats/lists)."""
+    """The numeric value of a JSON-encoded hyperparameter: a tensor hyperparameter becomes its number when it holds
+    one element (torch accepts ``lr=torch.tensor([0.1])``), else its (nested) list; lists element-wise."""
     if isinstance(value, dict) and "tensor" in value:
-        return value["tensor"]
+        single = value["tensor"]
+        while isinstance(single, list) and len(single) == 1:
+            single = single[0]
+        return value["tensor"] if isinstance(single, list) else single
     if isinstance(value, list):
         return [hparam_value(v) for v in value]
     return value
@@ -70,15 +75,38 @@ def lr_of(group_hparams: dict) -> float:
         return math.nan
 
 
+def dtype_name(dtype: torch.dtype) -> str:
+    """How the run file names a torch dtype: ``float32``, ``bfloat16``."""
+    return str(dtype).replace("torch.", "")
+
+
+@functools.lru_cache(maxsize=64)
+def numpy_dtype_of(torch_dtype_name: str) -> np.dtype | None:
+    """The numpy dtype a tensor of this torch dtype is stored as (uint16 for bfloat16, its raw bits); None when the
+    name is no torch dtype or has no numpy counterpart. Names come from files too: only torch's dtypes are looked up.
+    """
+    target = getattr(torch, torch_dtype_name, None) if torch_dtype_name.isidentifier() else None
+    if not isinstance(target, torch.dtype):
+        return None
+    if target == torch.bfloat16:
+        return np.dtype(np.uint16)
+    try:
+        return np.dtype(torch.empty((), dtype=target).numpy().dtype)
+    except (TypeError, RuntimeError):
+        return None
+
+
 def storage_numpy_dtype(torch_dtype: torch.dtype, storage: str) -> tuple[np.dtype, str]:
     """(numpy dtype on disk, torch dtype name it represents) for a tensor of torch_dtype under a storage choice."""
     if storage == "keep" or not torch_dtype.is_floating_point:
         target = torch_dtype
     else:
         target = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}[storage]
-    if target == torch.bfloat16:
-        return np.dtype(np.uint16), "bfloat16"
-    return np.dtype(torch.empty((), dtype=target).numpy().dtype), str(target).replace("torch.", "")
+    name = dtype_name(target)
+    found = numpy_dtype_of(name)
+    if found is None:
+        raise TypeError(f"torch dtype {name} has no numpy dtype to store it as")
+    return found, name
 
 
 def state_storage_dtype(tensor: torch.Tensor, storage: str) -> str:

@@ -34,7 +34,6 @@ WRITER_BYTE = 1 << 62
 COMMIT_BYTE = WRITER_BYTE + 1
 
 _SETLK = getattr(fcntl, "F_OFD_SETLK", None)
-_SETLKW = getattr(fcntl, "F_OFD_SETLKW", None)
 
 
 def supported() -> bool:

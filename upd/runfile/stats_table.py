@@ -1,39 +1,39 @@
-"""Reading the per-step statistics table (``/optimizers/<k>/stats``, see docs/format.md)."""
+"""Reading the per-step statistics table (``schema.STATS_TABLE``: ``/optimizers/<k>/stats``, see docs/format.md)."""
 from __future__ import annotations
 
 import numpy as np
 import pandas as pd
 
-from . import encoding
+from . import encoding, schema
 
 STATS_BLOCK_ROWS = 1024  # rows of the (steps, params, columns) table read at once
 
 
 def has_stats(opt) -> bool:
     group = opt._group
-    return "stats" in group and "values" in group["stats"]
+    return schema.STATS in group and schema.VALUES in group[schema.STATS]
 
 
 def committed_stats_rows(opt) -> int:
-    return int(opt._group["stats"]["step"].shape[0]) if has_stats(opt) else 0
+    return int(opt._group[schema.STATS][schema.COMMIT_COLUMN].shape[0]) if has_stats(opt) else 0
 
 
 def stats_param_meta(opt) -> dict:
     """{name: {shape, dtype, group, index_in_group}} of the parameters in the statistics table."""
     if not has_stats(opt):
         return {}
-    return dict(encoding.from_json(opt._group["stats"].attrs.get("param_meta", "{}")))
+    return dict(encoding.from_json(opt._group[schema.STATS].attrs.get(schema.STATS_PARAM_META, "{}")))
 
 
 def _iter_stats(opt):
     """Yield (steps, lr, values block, params, columns) over the committed rows, a block at a time."""
-    st = opt._group["stats"]
+    st = opt._group[schema.STATS]
     n = committed_stats_rows(opt)
-    params = list(encoding.from_json(st.attrs["params"]))
-    columns = list(encoding.from_json(st.attrs["columns"]))
-    steps = st["step"][:n]
-    lr = st["lr"][:n] if st["lr"].shape[0] >= n else np.full((n, 0), np.nan)
-    values = st["values"]
+    params = list(encoding.from_json(st.attrs[schema.STATS_PARAMS]))
+    columns = list(encoding.from_json(st.attrs[schema.STATS_COLUMNS]))
+    steps = st[schema.STEP][:n]
+    lr = st[schema.LR][:n] if st[schema.LR].shape[0] >= n else np.full((n, 0), np.nan)
+    values = st[schema.VALUES]
     for start in range(0, n, STATS_BLOCK_ROWS):
         stop = min(n, start + STATS_BLOCK_ROWS)
         block = values[start:stop]

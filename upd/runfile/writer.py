@@ -1,25 +1,30 @@
 """HDF5 writing for the recorder: one file per run, datasets created lazily, every record committed with a flush.
 
-Commit protocol (measured to survive SIGKILL, see ../shared/notes/hdf5-measurements.md and docs/format.md): all rows
-of a record are written and flushed first; only then is the record's entry appended to the optimizer's
-``records/step`` dataset and the file flushed again. Readers trust ``len(records/step)`` and nothing beyond it.
+What is created where, with which dtype and chunks, is declared in schema.py; this module fills it.
+
+Commit protocol (docs/format.md, "Crash safety and commit protocol"): all rows of a record are written and flushed
+first; only then is the record's entry appended to the optimizer's ``records/step`` dataset and the file flushed
+again. Readers trust ``len(records/step)`` and nothing beyond it. Measured under SIGKILL with HDF5's default file
+format: a flush after every step left a file plain h5py opens with every committed step (26/26 kills), while a
+step marker flushed together with its rows could become durable before them; hence two flushes, marker last.
 
 Live reading: every change to the file happens between ``self._locks.begin()`` and the ``end()`` that follows its
-flush (``upd/livelock.py``), so a reader that copies the file outside those spans copies a complete run.
+flush (``livelock.py``), so a reader that copies the file outside those spans copies a complete run.
 """
 from __future__ import annotations
 
 import errno
 import os
 import shutil
-from dataclasses import dataclass, field
 
 import h5py
 import numpy as np
 import torch
 
 from . import encoding, schema
+from .guards import SUPERBLOCK_BYTES, parse_superblock
 from .livelock import WriterLocks
+from .record import ParamSnapshot, Record
 
 try:
     import resource  # POSIX: the file-size limit counts as space
@@ -27,35 +32,32 @@ except ImportError:  # pragma: no cover - Windows
     resource = None
 
 
-@dataclass
-class ParamSnapshot:
-    """What one parameter looked like to the optimizer at one record (CPU copies)."""
-
-    name: str
-    group: int
-    index_in_group: int
-    param_id: int = 0  # id() of the live parameter, to find it again inside the step
-    param: torch.Tensor | None = None
-    grad: torch.Tensor | None = None
-    state: dict = field(default_factory=dict)  # key -> CPU tensor (0-d for scalars)
-    param_after: torch.Tensor | None = None
+def _h5py_dtype(decl: schema.Dataset):
+    return h5py.string_dtype() if decl.dtype == schema.STRING else np.dtype(decl.dtype)
 
 
-@dataclass
-class RecordSnapshot:
-    optimizer: int
-    step: int
-    backward_pass: int
-    wall_time: float
-    hparams: list  # one JSON-able dict per param group
-    params: list  # ParamSnapshot
-    closure: bool = False  # step(closure): the optimizer evaluated the loss itself, maybe several times
-    closure_losses: list = field(default_factory=list)  # the loss of each closure evaluation, in order
-    full: bool = True  # full tensors are recorded at this step (else params is empty)
-    stats: dict | None = None  # per-parameter summary statistics {name: {column: value}} at a statistics step
-    stats_meta: dict = field(default_factory=dict)  # {name: {shape, dtype, group, index_in_group}} of those params
-    selected: bool = True  # chosen by every= (with a flight recorder, full snapshots are kept for other steps too)
-    pre_stats: tuple | None = None  # statistics-only steps: ([(name, kind)], (n, 6) device rows) taken pre-step
+def _create(group: h5py.Group, decl: schema.Dataset, **layout) -> h5py.Dataset:
+    """An empty dataset as the schema declares it, resizable along every axis; layout: the shape and chunks of a
+    dataset the writer sizes itself when it creates it."""
+    rank = decl.rank
+    return group.create_dataset(decl.name, shape=layout.get("shape", (0,) * rank), maxshape=(None,) * rank,
+                                dtype=_h5py_dtype(decl), chunks=layout.get("chunks", decl.chunks),
+                                fillvalue=decl.fill)
+
+
+def _create_declared(group: h5py.Group, layout: schema.Group) -> None:
+    """The datasets of a new group whose chunks the schema fixes; the others are created at their first row."""
+    for decl in layout.datasets:
+        if decl.chunks is not None:
+            _create(group, decl)
+
+
+def _truncate(group: h5py.Group, layout: schema.Group, rows: int) -> None:
+    """Drop the rows at and beyond `rows` of every declared dataset of group (a state group: every key's)."""
+    names = list(group) if layout is schema.STATE else [d.name for d in layout.datasets]
+    for name in names:
+        if name in group and group[name].shape[0] > rows:
+            group[name].resize(rows, axis=0)
 
 
 def _chunks(shape: tuple) -> tuple:
@@ -90,7 +92,7 @@ class RunWriter:
         self.file.attrs[schema.ATTR_FORMAT] = schema.FORMAT_NAME
         self.file.attrs[schema.ATTR_VERSION] = schema.FORMAT_VERSION
         self.file.attrs[schema.ATTR_META] = encoding.to_json(meta)
-        self.file.create_group("optimizers")
+        self.file.create_group(schema.OPTIMIZERS)
         self._flushed()
         self._inode = os.stat(self.path).st_ino
 
@@ -126,68 +128,57 @@ class RunWriter:
                 self.file.attrs.get(schema.ATTR_VERSION) != schema.FORMAT_VERSION:
             self.file.close()
             self._locks.close()
-            raise ValueError(f"{self.path}: cannot resume: not a torch-upd run of format version {schema.FORMAT_VERSION}")
-        if "closed_cleanly" in self.file.attrs:
-            del self.file.attrs["closed_cleanly"]
-        resumes = encoding.from_json(self.file.attrs.get("resumes", "[]"))
+            raise ValueError(f"{self.path}: cannot resume: not a torch-upd run of format version "
+                             f"{schema.FORMAT_VERSION}")
+        if schema.ATTR_CLOSED_CLEANLY in self.file.attrs:
+            del self.file.attrs[schema.ATTR_CLOSED_CLEANLY]
+        resumes = encoding.from_json(self.file.attrs.get(schema.ATTR_RESUMES, "[]"))
         resumes.append({k: meta.get(k) for k in ("created_unix", "argv", "torch_version", "upd_version")})
-        self.file.attrs["resumes"] = encoding.to_json(resumes)
-        for key, opt in self.file["optimizers"].items():
-            committed = int(opt["records"]["step"].shape[0])
+        self.file.attrs[schema.ATTR_RESUMES] = encoding.to_json(resumes)
+        for key, opt in self.file[schema.OPTIMIZERS].items():
+            records = opt[schema.RECORDS]
+            committed = int(records[schema.COMMIT_COLUMN].shape[0])
             self._records_written[int(key)] = committed
-            for name in ("backward_pass", "wall_time", "lr", "hparams", "closure_losses"):
-                if name in opt["records"] and opt["records"][name].shape[0] > committed:
-                    opt["records"][name].resize(committed, axis=0)
-            for grp in opt["params"].values():
+            _truncate(records, schema.RECORD_TABLE, committed)
+            for grp in opt[schema.PARAMS].values():
                 valid = int((grp[schema.RECORD_INDEX][()] < committed).sum())
-                for ds in [grp[schema.RECORD_INDEX], grp.get(schema.STATE_PRESENT)] + [
-                        grp[k] for k in (schema.KIND_PARAM, schema.KIND_GRAD, schema.KIND_PARAM_AFTER) if k in grp] + \
-                        list(grp[schema.STATE_GROUP].values()):
-                    if ds is not None and ds.shape[0] > valid:
-                        ds.resize(valid, axis=0)
-            if "stats" in opt:
-                rows = int(opt["stats"]["step"].shape[0])
-                for name in ("wall_time", "lr", "values"):
-                    if name in opt["stats"] and opt["stats"][name].shape[0] > rows:
-                        opt["stats"][name].resize(rows, axis=0)
+                _truncate(grp, schema.PARAMETER, valid)
+                _truncate(grp[schema.STATE_GROUP], schema.STATE, valid)
+            if schema.STATS in opt:
+                stats = opt[schema.STATS]
+                _truncate(stats, schema.STATS_TABLE, int(stats[schema.COMMIT_COLUMN].shape[0]))
         self._flushed()
+
+    def _optimizer(self, index: int) -> h5py.Group | None:
+        return self.file[schema.OPTIMIZERS].get(str(index))
 
     def optimizer_meta(self, index: int) -> dict | None:
         """The stored metadata of optimizer `index`, or None when the run has no such optimizer."""
-        grp = self.file["optimizers"].get(str(index))
+        grp = self._optimizer(index)
         return None if grp is None else encoding.from_json(grp.attrs[schema.ATTR_META])
 
     def last_step(self, index: int) -> int | None:
-        grp = self.file["optimizers"].get(str(index))
+        grp = self._optimizer(index)
         if grp is None:
             return None
-        steps = [int(grp["records"]["step"][-1])] if grp["records"]["step"].shape[0] else []
-        if "stats" in grp and grp["stats"]["step"].shape[0]:
-            steps.append(int(grp["stats"]["step"][-1]))
+        tables = [grp[schema.RECORDS]] + ([grp[schema.STATS]] if schema.STATS in grp else [])
+        steps = [int(t[schema.COMMIT_COLUMN][-1]) for t in tables if t[schema.COMMIT_COLUMN].shape[0]]
         return max(steps) if steps else None
 
     # -- structure -------------------------------------------------------------------------------------------
     def add_optimizer(self, index: int, meta: dict) -> None:
-        if str(index) in self.file["optimizers"]:  # resuming: the optimizer's structure is there already
+        if self._optimizer(index) is not None:  # resuming: the optimizer's structure is there already
             return
         self._locks.begin()
-        grp = self.file["optimizers"].create_group(str(index))
+        grp = self.file[schema.OPTIMIZERS].create_group(str(index))
         grp.attrs[schema.ATTR_META] = encoding.to_json(meta)
-        rec = grp.create_group("records")
-        rec.create_dataset("step", shape=(0,), maxshape=(None,), dtype="i8", chunks=(1024,))
-        rec.create_dataset("backward_pass", shape=(0,), maxshape=(None,), dtype="i8", chunks=(1024,))
-        rec.create_dataset("wall_time", shape=(0,), maxshape=(None,), dtype="f8", chunks=(1024,))
-        rec.create_dataset("lr", shape=(0, 0), maxshape=(None, None), dtype="f8", chunks=(256, 8),
-                           fillvalue=np.nan)
-        rec.create_dataset("hparams", shape=(0,), maxshape=(None,), dtype=h5py.string_dtype(), chunks=(256,))
-        rec.create_dataset("closure_losses", shape=(0,), maxshape=(None,), dtype=h5py.string_dtype(),
-                           chunks=(256,))
-        grp.create_group("params")
+        _create_declared(grp.create_group(schema.RECORDS), schema.RECORD_TABLE)
+        grp.create_group(schema.PARAMS)
         self._records_written[index] = 0
         self._flushed()
 
     def _param_group(self, optimizer: int, snap: ParamSnapshot) -> h5py.Group:
-        params = self.file["optimizers"][str(optimizer)]["params"]
+        params = self._optimizer(optimizer)[schema.PARAMS]
         if snap.name in params:
             return params[snap.name]
         grp = params.create_group(snap.name)
@@ -197,12 +188,11 @@ class RunWriter:
             "group": snap.group,
             "index_in_group": snap.index_in_group,
             "shape": list(reference.shape) if reference is not None else None,
-            "dtype": str(reference.dtype).replace("torch.", "") if reference is not None else None,
+            "dtype": encoding.dtype_name(reference.dtype) if reference is not None else None,
         })
-        grp.create_dataset(schema.RECORD_INDEX, shape=(0,), maxshape=(None,), dtype="i8", chunks=(1024,))
+        _create_declared(grp, schema.PARAMETER)  # the record index and state_present; tensors at their first row
         st = grp.create_group(schema.STATE_GROUP)
-        st.attrs["keys"] = encoding.to_json([])
-        grp.create_dataset(schema.STATE_PRESENT, shape=(0, 0), maxshape=(None, None), dtype="u1", chunks=(256, 8))
+        st.attrs[schema.STATE_KEYS] = encoding.to_json([])
         return grp
 
     def _tensor_dataset(self, grp: h5py.Group, name: str, tensor: torch.Tensor, rows: int,
@@ -214,8 +204,8 @@ class RunWriter:
         ds = grp.create_dataset(name, shape=(rows, *shape), maxshape=(None, *shape), dtype=np_dtype,
                                 chunks=_chunks(shape) if shape else (1024,),
                                 compression=self.compression if shape else None)
-        ds.attrs["torch_dtype"] = stored_as
-        ds.attrs["source_dtype"] = str(tensor.dtype).replace("torch.", "")
+        ds.attrs[schema.ATTR_TORCH_DTYPE] = stored_as
+        ds.attrs[schema.ATTR_SOURCE_DTYPE] = encoding.dtype_name(tensor.dtype)
         return ds
 
     # -- writing ---------------------------------------------------------------------------------------------
@@ -226,10 +216,10 @@ class RunWriter:
         ds[row] = value
 
     def _write_tensor(self, ds: h5py.Dataset, row: int, tensor: torch.Tensor) -> None:
-        array = encoding.tensor_to_numpy(tensor, ds.attrs["torch_dtype"])
+        array = encoding.tensor_to_numpy(tensor, ds.attrs[schema.ATTR_TORCH_DTYPE])
         self._append(ds, row, array)
 
-    def _check_space(self, rec: RecordSnapshot) -> int:
+    def _check_space(self, rec: Record) -> int:
         """Refuse a record the disk (or the process's file-size limit) cannot take, before writing any of it; return
         the bytes it may need.
 
@@ -258,11 +248,8 @@ class RunWriter:
     def _end_of_allocation(self, fd: int | None = None) -> int | None:
         """HDF5's end of allocated space as the last flush wrote it in the superblock (versions 0 and 1, the ones
         this writer creates); None for another layout."""
-        head = os.pread(self.file.id.get_vfd_handle() if fd is None else fd, 64, 0)
-        if head[:8] != schema.HDF5_SIGNATURE or head[8] not in (0, 1) or head[13] != 8:
-            return None
-        at = 40 if head[8] == 0 else 44  # version 1 adds 4 bytes (indexed storage K) before the addresses
-        return int.from_bytes(head[at - 16:at - 8], "little") + int.from_bytes(head[at:at + 8], "little")
+        found = parse_superblock(os.pread(self.file.id.get_vfd_handle() if fd is None else fd, SUPERBLOCK_BYTES, 0))
+        return None if found is None else found.end_of_allocation
 
     def _reserve(self, nbytes: int) -> None:
         """Allocate disk blocks for the next `nbytes` HDF5 will allocate, so that a full disk fails here, before
@@ -282,7 +269,7 @@ class RunWriter:
                                          "kept") from None
             # EOPNOTSUPP, EINVAL, ENODEV...: the filesystem cannot reserve; the estimate above stands alone
 
-    def write(self, rec: RecordSnapshot) -> None:
+    def write(self, rec: Record) -> None:
         """Write one step (full tensors, statistics, or both) with the commit protocol."""
         self._check_still_there()
         need = self._check_space(rec)
@@ -295,36 +282,35 @@ class RunWriter:
         self.file.flush()
         self._reserve(256 << 10)  # the commit below grows a few B-trees: it must not be the write that fails
         # The commit: a record exists for readers once its step is appended, and only after its rows are durable.
+        opt = self._optimizer(rec.optimizer)
         if rec.full:
-            self._append(self.file["optimizers"][str(rec.optimizer)]["records"]["step"],
-                         self._records_written[rec.optimizer], rec.step)
+            self._append(opt[schema.RECORDS][schema.COMMIT_COLUMN], self._records_written[rec.optimizer], rec.step)
             self._records_written[rec.optimizer] += 1
         if rec.stats is not None:
-            stats = self.file["optimizers"][str(rec.optimizer)]["stats"]
-            self._append(stats["step"], stats["step"].shape[0], rec.step)
+            commit = opt[schema.STATS][schema.COMMIT_COLUMN]
+            self._append(commit, commit.shape[0], rec.step)
         self._flushed()
 
     def _stats_group(self, optimizer: int) -> h5py.Group:
-        opt = self.file["optimizers"][str(optimizer)]
-        if "stats" in opt:
-            return opt["stats"]
-        st = opt.create_group("stats")
-        st.create_dataset("step", shape=(0,), maxshape=(None,), dtype="i8", chunks=(1024,))
-        st.create_dataset("wall_time", shape=(0,), maxshape=(None,), dtype="f8", chunks=(1024,))
-        st.create_dataset("lr", shape=(0, 0), maxshape=(None, None), dtype="f8", chunks=(256, 8), fillvalue=np.nan)
-        st.attrs["params"] = encoding.to_json([])
-        st.attrs["columns"] = encoding.to_json([])
-        st.attrs["param_meta"] = encoding.to_json({})
+        opt = self._optimizer(optimizer)
+        if schema.STATS in opt:
+            return opt[schema.STATS]
+        st = opt.create_group(schema.STATS)
+        _create_declared(st, schema.STATS_TABLE)  # values: at the first row, when its width is known
+        st.attrs[schema.STATS_PARAMS] = encoding.to_json([])
+        st.attrs[schema.STATS_COLUMNS] = encoding.to_json([])
+        st.attrs[schema.STATS_PARAM_META] = encoding.to_json({})
         return st
 
-    def _write_stats(self, rec: RecordSnapshot) -> None:
+    def _write_stats(self, rec: Record) -> None:
         st = self._stats_group(rec.optimizer)
-        row = st["step"].shape[0]
+        row = st[schema.COMMIT_COLUMN].shape[0]
         # The table's layout is kept in memory: decoding the JSON attributes at every step cost more than the row.
         layout = self._stats_layout.get(rec.optimizer)
         if layout is None:
             layout = self._stats_layout[rec.optimizer] = {
-                "params": list(encoding.from_json(st.attrs["params"])), "columns": list(encoding.from_json(st.attrs["columns"]))}
+                "params": list(encoding.from_json(st.attrs[schema.STATS_PARAMS])),
+                "columns": list(encoding.from_json(st.attrs[schema.STATS_COLUMNS]))}
             layout["param_index"] = {n: i for i, n in enumerate(layout["params"])}
             layout["column_index"] = {c: i for i, c in enumerate(layout["columns"])}
         params, columns = layout["params"], layout["columns"]
@@ -340,34 +326,34 @@ class RunWriter:
         for name in new_params:
             param_index[name] = len(params)
             params.append(name)
-        if "values" not in st:
+        if schema.VALUES not in st:
             # Chunks of up to 64 steps, at most 512 KiB: appends stay in HDF5's default 1 MiB chunk cache until the
             # chunk is full, and a 10,000-step table loads in a few dozen reads.
-            row_bytes = max(1, len(params)) * max(1, len(columns)) * 4
+            values = schema.STATS_TABLE.dataset(schema.VALUES)
+            row_bytes = max(1, len(params)) * max(1, len(columns)) * np.dtype(values.dtype).itemsize
             rows = int(min(64, max(1, (512 << 10) // row_bytes)))
-            st.create_dataset("values", shape=(0, len(params), len(columns)), maxshape=(None, None, None),
-                              dtype="f4", chunks=(rows, max(1, len(params)), max(1, len(columns))),
-                              fillvalue=np.nan)
-        ds = st["values"]
+            _create(st, values, shape=(0, len(params), len(columns)),
+                    chunks=(rows, max(1, len(params)), max(1, len(columns))))
+        ds = st[schema.VALUES]
         if ds.shape[1] < len(params) or ds.shape[2] < len(columns):
             ds.resize((ds.shape[0], len(params), len(columns)))
         if new_params or new_columns:
-            st.attrs["params"] = encoding.to_json(params)
-            st.attrs["columns"] = encoding.to_json(columns)
+            st.attrs[schema.STATS_PARAMS] = encoding.to_json(params)
+            st.attrs[schema.STATS_COLUMNS] = encoding.to_json(columns)
         if new_params:
-            meta = encoding.from_json(st.attrs["param_meta"])
+            meta = encoding.from_json(st.attrs[schema.STATS_PARAM_META])
             meta.update({name: rec.stats_meta.get(name, {}) for name in new_params})
-            st.attrs["param_meta"] = encoding.to_json(meta)
-        table = np.full((len(params), len(columns)), np.nan, dtype="f4")
+            st.attrs[schema.STATS_PARAM_META] = encoding.to_json(meta)
+        table = np.full((len(params), len(columns)), np.nan, dtype=ds.dtype)
         for name, values in rec.stats.items():
             r = param_index[name]
             table[r, [column_index[c] for c in values]] = list(values.values())
         self._append(ds, row, table)
-        self._append(st["wall_time"], row, rec.wall_time)
-        self._append_lr(st["lr"], row, rec.hparams)
+        self._append(st[schema.WALL_TIME], row, rec.wall_time)
+        self._append_lr(st[schema.LR], row, rec.hparams)
 
-    def _write_full(self, rec: RecordSnapshot) -> None:
-        opt = self.file["optimizers"][str(rec.optimizer)]
+    def _write_full(self, rec: Record) -> None:
+        opt = self._optimizer(rec.optimizer)
         record = self._records_written[rec.optimizer]
         for snap in rec.params:
             grp = self._param_group(rec.optimizer, snap)
@@ -382,12 +368,13 @@ class RunWriter:
                 self._append(grp[schema.STATE_PRESENT], row, np.zeros(grp[schema.STATE_PRESENT].shape[1], "u1"))
             self._append(grp[schema.RECORD_INDEX], row, record)
 
-        rec_grp = opt["records"]
-        self._append(rec_grp["backward_pass"], record, rec.backward_pass)
-        self._append(rec_grp["wall_time"], record, rec.wall_time)
-        self._append(rec_grp["hparams"], record, encoding.to_json(rec.hparams))
-        self._append(rec_grp["closure_losses"], record, encoding.to_json(rec.closure_losses if rec.closure else None))
-        self._append_lr(rec_grp["lr"], record, rec.hparams)
+        rec_grp = opt[schema.RECORDS]
+        self._append(rec_grp[schema.BACKWARD_PASS], record, rec.backward_pass)
+        self._append(rec_grp[schema.WALL_TIME], record, rec.wall_time)
+        self._append(rec_grp[schema.HPARAMS], record, encoding.to_json(rec.hparams))
+        if schema.CLOSURE_LOSSES in rec_grp:  # optional: a resumed run written before it existed goes on without it
+            self._append(rec_grp[schema.CLOSURE_LOSSES], record, encoding.to_json(rec.closure_losses))
+        self._append_lr(rec_grp[schema.LR], record, rec.hparams)
 
     def _append_lr(self, lr: h5py.Dataset, row: int, hparams: list) -> None:
         """One row of per-param-group lr; the group axis grows with add_param_group, NaN for absent groups."""
@@ -399,14 +386,14 @@ class RunWriter:
 
     def _write_state(self, grp: h5py.Group, row: int, state: dict) -> None:
         st = grp[schema.STATE_GROUP]
-        keys = encoding.from_json(st.attrs["keys"])
+        keys = encoding.from_json(st.attrs[schema.STATE_KEYS])
         for key in state:
             if key not in keys:
                 keys.append(key)
         present_ds = grp[schema.STATE_PRESENT]
         if present_ds.shape[1] < len(keys):
             present_ds.resize(len(keys), axis=1)
-            st.attrs["keys"] = encoding.to_json(keys)
+            st.attrs[schema.STATE_KEYS] = encoding.to_json(keys)
         present = np.zeros(len(keys), "u1")
         for i, key in enumerate(keys):
             if key in state:
@@ -418,10 +405,9 @@ class RunWriter:
     def add_dump(self, info: dict) -> None:
         """Append a flight-recorder dump (reason, trigger step, steps written) to /flight_dumps."""
         self._locks.begin()
-        if "flight_dumps" not in self.file:
-            self.file.create_dataset("flight_dumps", shape=(0,), maxshape=(None,), dtype=h5py.string_dtype(),
-                                     chunks=(64,))
-        ds = self.file["flight_dumps"]
+        if schema.FLIGHT_DUMPS not in self.file:
+            _create(self.file, schema.ROOT.dataset(schema.FLIGHT_DUMPS))
+        ds = self.file[schema.FLIGHT_DUMPS]
         self._append(ds, ds.shape[0], encoding.to_json(info))
         self._flushed()
 
