@@ -1,6 +1,6 @@
 """Time the demo's pieces for both inits: train(), the run file's size, ratios() and verify().
 
-    python benchmarks/demo_timing.py [--steps N] [--every N] [--threads N]
+    python -m benchmarks.demo_timing [--steps N] [--every N] [--threads N]
 """
 import argparse
 import os

@@ -1,6 +1,6 @@
 """What recording costs a training loop: every figure a ratio measured side by side in one run.
 
-    python benchmarks/overhead.py [--quick] [--threads N] [--dir DIR] [--diagnose] [--json FILE]
+    python -m benchmarks.overhead [--quick] [--threads N] [--dir DIR] [--diagnose] [--json FILE]
 
 Sections (docs/performance.md has the figures and how to read them; benchmarks/README.md how to run):
 
@@ -315,7 +315,7 @@ class Floor(Variant):
 
 
 class Naive(Variant):
-    """The seed question's loop (../shared/seed.md), as written there: clone each parameter whose name contains
+    """The seed question's loop (docs/background.md), as written there: clone each parameter whose name contains
     'weight' before the step; after it, per parameter (update.std() / before.std()).log10().item() (the
     summary_writer.add_scalar call left out), then clone again (the seed's last line; the clone before the next
     step replaces it)."""

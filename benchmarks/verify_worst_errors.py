@@ -1,22 +1,18 @@
-"""Worst verify error per optimizer over the whole replay matrix (tests/verify/cases): the figures in docs/verify.md.
+"""Worst verify error per optimizer over the whole replay matrix (tests/harness/cases): the figures in docs/verify.md.
 
-    python benchmarks/verify_worst_errors.py
+    python -m benchmarks.verify_worst_errors
 
 Records every case of the matrix in a temporary folder, verifies it, and prints per optimizer the number of cases
 and checks, the worst error/tolerance ratio for parameters and for state, and the case where it occurred.
 """
 import os
-import sys
 import tempfile
 
 import pandas as pd
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.join(ROOT, "tests", "verify"))
-
-import upd  # noqa: E402
-from cases import all_cases  # noqa: E402
-from test_replay_matrix import record_case  # noqa: E402
+import upd
+from tests.harness.cases import all_cases
+from tests.harness.replay_matrix import record_case
 
 
 def main():

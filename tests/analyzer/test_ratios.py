@@ -10,7 +10,8 @@ from torch import nn
 import upd
 from upd.analyzer.summary import Thresholds, status_of, summarize
 
-from conftest import MLP, SAMPLE_RUNS
+from tests.harness.paths import SAMPLE_RUNS
+from tests.harness.training import MLP
 
 
 def test_ratios_equal_the_seed_loop(tmp_path):
@@ -84,7 +85,7 @@ def test_streaming_in_small_blocks_gives_the_same_table():
     with upd.open_run(path) as run:
         whole = run.ratios()
         p = run.param("fc1.weight")
-        assert p.block_rows(block_bytes=20_000) < p.rows  # really several blocks
+        assert p.block_rows(block_bytes=20_000) < p.num_rows  # really several blocks
         blocked = run.ratios(block_bytes=20_000)
     # Row-wise reductions may vectorise differently with the block size: equal to float64 rounding.
     pd.testing.assert_frame_equal(whole, blocked, rtol=1e-12)
@@ -105,7 +106,7 @@ def test_status_thresholds():
 def test_summary_latest_and_median():
     with upd.open_run(SAMPLE_RUNS[0]) as run:
         ratios = run.ratios()
-        summary = summarize(ratios, run.params).set_index("param")
+        summary = summarize(ratios, run.params()).set_index("param")
     w = ratios[ratios["param"] == "fc1.weight"].sort_values("step")
     assert summary.loc["fc1.weight", "latest_update_to_data"] == w["update_to_data"].iloc[-1]
     assert summary.loc["fc1.weight", "median_update_to_data"] == pytest.approx(np.median(w["update_to_data"]))

@@ -9,8 +9,9 @@ import pytest
 from click.testing import CliRunner
 
 from upd.cli.main import main
+from upd.runfile import schema
 
-from conftest import SAMPLE_RUNS
+from tests.harness.paths import SAMPLE_RUNS
 
 ADAM = [p for p in SAMPLE_RUNS if p.endswith("/adam.h5")][0]
 
@@ -35,6 +36,7 @@ def test_main_help_documents_exit_codes():
         assert line in out
 
 
+@pytest.mark.slow
 def test_console_script_runs_as_a_user_would(tmp_path):
     """The installed `upd` entry point: analyze a non-HDF5 file -> exactly one line on stderr and exit 2."""
     bad = tmp_path / "notes.txt"
@@ -101,7 +103,7 @@ def test_verify_exit_codes_and_json(tmp_path, sample_copy):
     assert code == 0 and "80 step-parameter checks matched, 0 mismatched" in out
     path = sample_copy("adam.h5")
     with h5py.File(path, "r+") as f:
-        ds = f["optimizers/0/params/fc2.weight/param_after"]
+        ds = f[schema.PARAMETER.at(schema.KIND_PARAM_AFTER, k=0, name='fc2.weight')]
         ds[3] = ds[3] * 1.01
     code, out = run_cli("verify", path)
     assert code == 1 and "MISMATCH fc2.weight step 3" in out
@@ -111,6 +113,7 @@ def test_verify_exit_codes_and_json(tmp_path, sample_copy):
     assert [p["first_mismatch_step"] for p in report["params"] if p["param"] == "fc2.weight"] == [3]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("init, flagged", [("good", False), ("bad", True)])
 def test_demo_leaves_plots_and_tables(tmp_path, init, flagged):
     out = tmp_path / "demo"
@@ -126,3 +129,38 @@ def test_demo_leaves_plots_and_tables(tmp_path, init, flagged):
     # A second demo into the same folder is refused unless --force.
     code, text = run_cli("demo", "--out", str(out), "--steps", "5", "--init", init)
     assert code == 2 and "--force" in text
+
+
+@pytest.mark.parametrize("option", ["--rtol", "--ulps"])
+@pytest.mark.parametrize("value", ["-1", "nan"])
+def test_verify_refuses_a_negative_or_nan_tolerance(option, value):
+    result = CliRunner().invoke(main, ["verify", option, value, ADAM])
+    assert result.exit_code == 2, result.output
+    assert result.output.count("\n") == 1 and option.lstrip("-") in result.output
+    assert run_cli("verify", option, "0", ADAM)[0] != 2  # zero is a tolerance, if a strict one
+
+
+def test_verify_exit_4_when_a_replay_rule_fails(tmp_path, monkeypatch):
+    """A rule that raises (its own bug) is reported as such: exit 4 and one line naming the rule, step and param."""
+    module = tmp_path / "broken_rules.py"
+    module.write_text("import torch, upd\n\n"
+                      "@upd.replay.register(torch.optim.Adam, torch_below='99')\n"
+                      "def divides_by_zero(param, grad, state, group, step):\n"
+                      "    return 1 / 0\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    import upd
+    try:
+        result = CliRunner().invoke(main, ["verify", "--rules", "broken_rules", ADAM])
+    finally:
+        upd.replay.registry._RULES["torch.optim.Adam"] = [
+            r for r in upd.replay.registry._RULES["torch.optim.Adam"] if r.fn.__name__ != "divides_by_zero"]
+        sys.modules.pop("broken_rules", None)
+    assert result.exit_code == 4, result.output
+    assert result.output.count("\n") == 1
+    assert "broken_rules.divides_by_zero" in result.output and "ZeroDivisionError" in result.output
+    assert "step 0" in result.output and "parameter" in result.output
+    assert run_cli("verify", ADAM)[0] == 0
+
+
+def test_main_help_documents_exit_code_4():
+    assert "4  verify: a replay rule failed" in run_cli("--help")[1]

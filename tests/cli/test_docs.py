@@ -7,8 +7,10 @@ import h5py
 import torch
 
 import upd
+from upd.runfile import schema
 
-from conftest import MLP, SAMPLE_DIR, train_steps
+from tests.harness.paths import SAMPLE_DIR
+from tests.harness.training import MLP, train_steps
 
 DOCS = os.path.join(os.path.dirname(SAMPLE_DIR), "docs")
 
@@ -33,7 +35,7 @@ def test_third_party_rule_from_verify_md(tmp_path):
         assert report.exit_code == 0, report.summary()
         assert report.matched == 16 and report.checks["state_checked"].sum() == 12
         with h5py.File(path, "r+") as f:  # and the documented rule still catches a wrong lr
-            f["optimizers/0/records/hparams"][1] = f["optimizers/0/records/hparams"][1].decode().replace(
+            f[schema.RECORD_TABLE.at(schema.HPARAMS, k=0)][1] = f[schema.RECORD_TABLE.at(schema.HPARAMS, k=0)][1].decode().replace(
                 '"lr": 0.001', '"lr": 0.0011')
         assert upd.verify(path).exit_code == 1
     finally:

@@ -11,7 +11,8 @@ from torch import nn
 import upd
 from upd.integrations.tensorboard import INSTALL_HINT, TAGS, TensorBoardSink, export_ratios
 
-from conftest import MLP, SAMPLE_RUNS, train_steps
+from tests.harness.paths import SAMPLE_RUNS
+from tests.harness.training import MLP, train_steps
 
 SAMPLE = [p for p in SAMPLE_RUNS if p.endswith("/adam.h5")][0]
 

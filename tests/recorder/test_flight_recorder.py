@@ -7,7 +7,7 @@ from torch import nn
 
 import upd
 
-from conftest import MLP
+from tests.harness.training import MLP
 
 
 def diverging_run(tmp_path, k=5, jump_at=15, steps=30, **options):
@@ -37,7 +37,7 @@ def test_nothing_is_written_while_training_is_healthy(tmp_path):
     path, rec, first_nan = diverging_run(tmp_path, jump_at=10_000, steps=20)
     assert first_nan is None and rec.dumps == []
     with upd.open_run(path) as run:
-        assert run.optimizers[0].num_records == 0 and run.dumps == []
+        assert run.optimizers[0].num_records == 0 and run.dumps().empty
     assert os.path.getsize(path) < 50_000
 
 
@@ -46,8 +46,8 @@ def test_divergence_dumps_the_steps_before_the_blow_up_and_they_verify(tmp_path)
     path, rec, first_nan = diverging_run(tmp_path, k=k)
     assert first_nan is not None, "the run was meant to diverge"
     with upd.open_run(path) as run:
-        dumps = run.dumps
-        recorded = sorted(int(s) for s in run.optimizers[0].step)
+        dumps = run.dumps().to_dict("records")
+        recorded = sorted(int(s) for s in run.optimizers[0].steps)
     assert dumps and dumps == rec.dumps
     # The first trigger is the norm spike when the lr jumps (step 15), before any NaN; the ring then refills and
     # a NaN/Inf dump follows. Every dump holds at most K steps, and their reasons are stored.
@@ -79,8 +79,8 @@ def test_user_dump(tmp_path):
             if step == 6:
                 rec.dump("loss looked odd")
     with upd.open_run(path) as run:
-        assert run.dumps[0]["reason"] == "loss looked odd" and run.dumps[0]["steps"] == [4, 5, 6]
-        assert list(run.optimizers[0].step) == [4, 5, 6]
+        assert run.dumps()["reason"].tolist() == ["loss looked odd"] and run.dumps()["steps"].tolist() == [[4, 5, 6]]
+        assert list(run.optimizers[0].steps) == [4, 5, 6]
         assert len(run.stats()["step"].unique()) == 8  # statistics of every step all along
     report = upd.verify(path)
     assert report.exit_code == 0 and report.matched == 3 * 4

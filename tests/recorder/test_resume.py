@@ -6,8 +6,9 @@ import torch
 from torch import nn
 
 import upd
+from upd.runfile import schema
 
-from conftest import MLP, train_steps
+from tests.harness.training import MLP, train_steps
 
 
 def checkpointed_run(tmp_path, make_opt, first=4, second=3):
@@ -33,8 +34,8 @@ def checkpointed_run(tmp_path, make_opt, first=4, second=3):
 def test_resume_continues_step_numbers_and_verifies(tmp_path, make_opt):
     path = checkpointed_run(tmp_path, make_opt)
     with upd.open_run(path) as run:
-        assert list(run.optimizers[0].step) == list(range(7))
-        assert run.param("fc1.weight").rows == 7
+        assert list(run.optimizers[0].steps) == list(range(7))
+        assert run.param("fc1.weight").num_rows == 7
     report = upd.verify(path)
     assert report.exit_code == 0, report.summary()
     # the boundary step 3 -> 4 was checked like any other: continuity, and the state where there is one
@@ -51,7 +52,7 @@ def test_resume_without_a_file_starts_a_new_run(tmp_path):
     path = str(tmp_path / "new.h5")
     with upd.record(path, model, opt, resume=True):
         train_steps(model, opt, steps=2)
-    assert list(upd.open_run(path).optimizers[0].step) == [0, 1]
+    assert list(upd.open_run(path).optimizers[0].steps) == [0, 1]
 
 
 def test_resume_refuses_a_different_model(tmp_path):
@@ -78,7 +79,7 @@ def test_resume_drops_the_half_written_record_of_a_crash(tmp_path):
     with upd.record(path, model, opt):
         train_steps(model, opt, steps=3)
     with h5py.File(path, "r+") as f:  # what a kill between the data rows and the commit leaves behind
-        grp = f["optimizers/0/params/fc1.weight"]
+        grp = f[schema.PARAMETER.path(k=0, name='fc1.weight')]
         for name in ("record", "param", "grad"):
             grp[name].resize(grp[name].shape[0] + 1, axis=0)
         grp["record"][-1] = 3

@@ -12,7 +12,7 @@ import upd
 from upd.ratios import log10_ratio
 from upd.recorder import device_stats as stats_mod
 
-from conftest import MLP, train_steps
+from tests.harness.training import MLP, train_steps
 
 
 def reference_stats(t: torch.Tensor) -> dict:
@@ -91,7 +91,7 @@ def test_cadences_are_independent(tmp_path):
     with upd.record(path, model, opt, every=3, stats_every=2):
         train_steps(model, opt, steps=7)
     with upd.open_run(path) as run:
-        assert list(run.optimizers[0].step) == [0, 3, 6]
+        assert list(run.optimizers[0].steps) == [0, 3, 6]
         assert sorted(run.stats()["step"].unique()) == [0, 2, 4, 6]
         # auto picks the statistics (more steps); verify still uses the full records
         assert sorted(run.ratios()["step"].unique()) == [0, 2, 4, 6]

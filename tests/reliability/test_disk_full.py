@@ -9,8 +9,10 @@ import textwrap
 import pytest
 
 import upd
+from tests.harness import disk_full
 
 resource = pytest.importorskip("resource")
+pytestmark = pytest.mark.slow  # each test trains in subprocesses until a write fails
 
 SCRIPT = textwrap.dedent("""
     import resource, signal, sys, warnings, torch, upd
@@ -55,11 +57,8 @@ def test_strict_raises_the_disk_error(tmp_path):
 
 def test_the_reservation_alone_stops_a_record_the_disk_cannot_take(tmp_path):
     # The free-space estimate switched off (as when another process fills the disk after it looked): fallocate of
-    # the record's bytes must fail first, before HDF5 writes any of it. `python benchmarks/disk_full.py` shows the
+    # the record's bytes must fail first, before HDF5 writes any of it. `python -m benchmarks.disk_full` shows the
     # same trials without either defence: training crashes and the run is unreadable in every one.
-    sys.path.insert(0, str(__import__("pathlib").Path(__file__).parent.parent.parent / "benchmarks"))
-    import disk_full
-
     results = disk_full.run_trials(limits=3, mode="reserve", workdir=str(tmp_path))
     for r in results:
         assert disk_full.ok(r), r

@@ -6,8 +6,9 @@ import torch
 from torch import nn
 
 import upd
+from upd.runfile import schema
 
-from conftest import MLP, train_steps
+from tests.harness.training import MLP, train_steps
 
 
 def record_and_count_warnings(path, model, opt, steps, between=None, **options):
@@ -39,7 +40,7 @@ def test_parameter_that_changes_shape_stops_recording_once(tmp_path):
     assert len(warned) == 1 and rec.error is not None
     assert list(model[0].bias.shape) == [5]  # training went on with the new shape
     with upd.open_run(path) as run:
-        assert list(run.optimizers[0].step) == [0, 1, 2]  # everything before the change is kept
+        assert list(run.optimizers[0].steps) == [0, 1, 2]  # everything before the change is kept
     assert upd.verify(path).exit_code == 0
 
 
@@ -187,7 +188,7 @@ def test_sparse_gradients_recorded_densified_and_verified(tmp_path, opt_name):
         assert torch.equal(p.read("param_after", 3), emb.weight.detach())
     assert upd.verify(path).exit_code == 0
     with h5py.File(path, "r+") as f:  # negative control: one looked-up element of one update off by 1e-3
-        ds = f["optimizers/0/params/weight/param_after"]
+        ds = f[schema.PARAMETER.at(schema.KIND_PARAM_AFTER, k=0, name='weight')]
         row = ds[1]
         row[3, 2] += 1e-3
         ds[1] = row
@@ -249,7 +250,7 @@ def test_sparse_parameter_trained_with_sgd_recorded_densified(tmp_path, options)
         assert torch.equal(p.read("param_after", 3), weight.detach().to_dense())
     assert upd.verify(path).exit_code == 0
     with h5py.File(path, "r+") as f:  # negative control: the momentum buffer the step 2 replay starts from
-        ds = f["optimizers/0/params/group0.param0/state/momentum_buffer"]
+        ds = f[f"{schema.STATE.path(k=0, name='group0.param0')}/momentum_buffer"]
         ds[2] = ds[2] * 1.001
     report = upd.verify(path)
     assert report.exit_code == 1
@@ -345,7 +346,7 @@ def test_dtensor_parameter_added_mid_run_stops_at_that_step(tmp_path, cpu_mesh):
     assert len(warned) == 1 and "DTensor" in str(warned[0].message) and rec.error is not None
     assert not torch.equal(extra.full_tensor(), before)  # the DTensor parameter trained
     with upd.open_run(path) as run:
-        assert list(run.optimizers[0].step) == [0, 1, 2]
+        assert list(run.optimizers[0].steps) == [0, 1, 2]
     assert upd.verify(path).exit_code == 0
 
 

@@ -8,7 +8,7 @@ import torch
 
 import upd
 
-from conftest import MLP, train_steps
+from tests.harness.training import MLP, train_steps
 
 
 def record_with_hook(tmp_path, make_opt, hook=None, after_step=None, steps=3, model=None):

@@ -7,9 +7,11 @@ import pytest
 import torch
 
 import upd
+from upd.runfile import schema
 from upd.replay.engine import EXIT_MATCH, EXIT_MISMATCH, EXIT_NOTHING_VERIFIABLE, compare, elementwise_error
 
-from conftest import MLP, SAMPLE_RUNS, record_run, train_steps
+from tests.harness.paths import SAMPLE_RUNS
+from tests.harness.training import MLP, record_run, train_steps
 
 
 @pytest.mark.parametrize("path", SAMPLE_RUNS, ids=lambda p: p.rsplit("/", 1)[-1])
@@ -54,7 +56,7 @@ def test_replay_rejects_a_wrong_lr(tmp_path, case):
     """Rewrite the lr the file claims for one step by 1%: the replay must no longer match that step."""
     path = record_run(str(tmp_path / "run.h5"), OPTIMIZER_CASES[case], steps=5)
     with h5py.File(path, "r+") as f:
-        hp = f["optimizers/0/records/hparams"]
+        hp = f[schema.RECORD_TABLE.at(schema.HPARAMS, k=0)]
         groups = json.loads(hp[2])
         groups[0]["lr"] = groups[0]["lr"] * 1.01
         hp[2] = json.dumps(groups)
@@ -68,7 +70,7 @@ def test_replay_rejects_a_wrong_lr(tmp_path, case):
 def test_corrupted_tensor_fails_and_names_the_step(sample_copy):
     path = sample_copy("adam.h5")
     with h5py.File(path, "r+") as f:
-        ds = f["optimizers/0/params/fc1.weight/param_after"]
+        ds = f[schema.PARAMETER.at(schema.KIND_PARAM_AFTER, k=0, name='fc1.weight')]
         row = ds[7]
         row[3, 5] += 1e-4  # a tenth of one Adam update
         ds[7] = row
@@ -83,7 +85,7 @@ def test_corrupted_tensor_fails_and_names_the_step(sample_copy):
 def test_corrupted_state_fails(sample_copy):
     path = sample_copy("sgd_momentum.h5")
     with h5py.File(path, "r+") as f:
-        ds = f["optimizers/0/params/fc2.bias/state/momentum_buffer"]
+        ds = f[f"{schema.STATE.path(k=0, name='fc2.bias')}/momentum_buffer"]
         ds[10] = ds[10] * 1.001
     report = upd.verify(path)
     assert report.exit_code == EXIT_MISMATCH
@@ -215,3 +217,205 @@ def test_rules_are_chosen_by_the_torch_version_that_wrote_the_file(sample_copy):
         from upd.replay import registry
         registry._RULES["torch.optim.SGD"] = [r for r in registry._RULES["torch.optim.SGD"] if r.fn is not old_sgd]
     assert upd.verify(path).exit_code == EXIT_MATCH
+
+
+def test_one_element_tensor_lr_verifies_and_a_corruption_still_fails(tmp_path):
+    """torch accepts lr=torch.tensor([0.1]) (shape (1,)); the rule gets the plain float, not a one-element list."""
+    path = record_run(str(tmp_path / "run.h5"), lambda m: torch.optim.SGD(m.parameters(), lr=torch.tensor([0.1]),
+                                                                          momentum=0.5), steps=3)
+    report = upd.verify(path)
+    assert report.exit_code == EXIT_MATCH, report.summary()
+    assert report.matched == 3 * 4
+    with h5py.File(path, "r+") as f:
+        ds = f[schema.PARAMETER.at(schema.KIND_PARAM_AFTER, k=0, name='fc1.weight')]
+        ds[1] = ds[1] * 1.01
+    report = upd.verify(path)
+    assert report.exit_code == EXIT_MISMATCH
+    bad = report.checks[report.checks["status"] == "mismatch"]
+    assert set(zip(bad["param"], bad["step"])) == {("fc1.weight", 1)}
+
+
+def test_an_exception_inside_a_rule_is_a_rule_failure_naming_rule_step_and_parameter(sample_copy):
+    """A bug in a replay rule is not a broken file: ReplayRuleError (CLI exit 4), naming the rule, step, param."""
+    path = sample_copy("sgd_momentum.h5")
+
+    def broken_sgd(param, grad, state, group, step):
+        if step == 2:
+            return 1 / 0  # a rule's own bug
+        return upd.replay.Replayed(param - group["lr"] * grad)
+
+    upd.replay.register(torch.optim.SGD, torch_below="99")(broken_sgd)
+    try:
+        with pytest.raises(upd.replay.ReplayRuleError) as exc:
+            upd.verify(path)
+        message = str(exc.value)
+        assert "\n" not in message
+        assert "broken_sgd" in message and "ZeroDivisionError" in message
+        assert "step 2" in message and "'fc1.weight'" in message and path in message
+        assert not isinstance(exc.value, upd.RunFileError)
+    finally:
+        from upd.replay import registry
+        registry._RULES["torch.optim.SGD"] = [r for r in registry._RULES["torch.optim.SGD"]
+                                              if r.fn is not broken_sgd]
+    assert upd.verify(path).exit_code == EXIT_MATCH
+
+
+def test_a_hyperparameter_missing_from_the_record_is_still_an_unusable_file(sample_copy):
+    """What the file lacks stays the file's fault (RunFileError, exit 2), even though the rule is what reads it."""
+    path = sample_copy("adam.h5")
+    with h5py.File(path, "r+") as f:
+        hp = f[schema.RECORD_TABLE.at(schema.HPARAMS, k=0)]
+        groups = json.loads(hp[2])
+        del groups[0]["betas"]
+        hp[2] = json.dumps(groups)
+    with pytest.raises(upd.RunFileError, match="betas"):
+        upd.verify(path)
+
+
+@pytest.mark.parametrize("option", ["rtol", "ulps"])
+@pytest.mark.parametrize("value", [-1.0, -1e-9, float("nan"), float("inf")])
+def test_a_negative_or_nan_tolerance_is_refused(option, value):
+    with pytest.raises(ValueError, match=option):
+        upd.verify(SAMPLE_RUNS[0], **{option: value})
+
+
+class SignMomentum(torch.optim.Optimizer):
+    """A third-party optimizer that keeps a torch-style step counter and a decaying lr in its state."""
+
+    def __init__(self, params, lr=1e-2, beta=0.9):
+        super().__init__(params, {"lr": lr, "beta": beta})
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                state = self.state[p]
+                if not state:
+                    state.update(step=torch.tensor(0.0), buf=torch.zeros_like(p), lr_now=torch.tensor(group["lr"]))
+                state["step"] += 1
+                state["buf"].mul_(group["beta"]).add_(p.grad)
+                p.add_(state["buf"].sign(), alpha=-float(state["lr_now"]))
+                state["lr_now"] = state["lr_now"] / state["step"]
+
+
+def _sign_momentum_math(param, grad, buf, lr_now, step, beta):
+    buf = beta * buf + grad
+    return param - lr_now * buf.sign(), buf, lr_now / (step + 1)
+
+
+def test_rules_written_for_the_documented_signature_keep_working(tmp_path):
+    """A rule that unpacks its own state and counter, as docs/verify.md used to show, still verifies."""
+    path = record_run(str(tmp_path / "run.h5"), lambda m: SignMomentum(m.parameters()), steps=4)
+
+    @upd.replay.register(SignMomentum)
+    def undeclared(param, grad, state, group, step):
+        if state:
+            buf, lr_now, done = state["buf"], float(state["lr_now"]), int(state["step"])
+        else:
+            buf, lr_now, done = torch.zeros_like(param), group["lr"], 0
+        param, buf, lr_now = _sign_momentum_math(param, grad, buf, lr_now, done, group["beta"])
+        return upd.replay.Replayed(param, {"step": torch.tensor(float(done + 1), dtype=torch.float64), "buf": buf,
+                                           "lr_now": torch.tensor(lr_now, dtype=torch.float64)})
+
+    try:
+        report = upd.verify(path)
+        assert report.exit_code == EXIT_MATCH, report.summary()
+        assert report.matched == 4 * 4 and report.checks["state_checked"].sum() == 3 * 4
+    finally:
+        upd.replay.unregister(SignMomentum)
+
+
+def test_declared_state_and_step_counter_are_handled_by_the_registry(tmp_path):
+    """state= creates the entries on the first step, counts_steps hands the counter over and stores step + 1;
+    a number in the replayed state is stored as a tensor. Wrong math in the same rule still fails."""
+    path = record_run(str(tmp_path / "run.h5"), lambda m: SignMomentum(m.parameters()), steps=4)
+    seen_steps = []
+
+    def declared(param, grad, state, group, step, *, off=1.0):
+        assert "step" not in state and isinstance(step, int)
+        seen_steps.append(step)
+        param, buf, lr_now = _sign_momentum_math(param, grad, state["buf"], float(state["lr_now"]), step,
+                                                 group["beta"])
+        return upd.replay.Replayed(param, {"buf": buf, "lr_now": lr_now * off, "unkept": None})
+
+    spec = {"buf": upd.replay.zeros, "lr_now": lambda param, group: group["lr"],
+            "never": upd.replay.kept_when(lambda param, group: False)}
+    upd.replay.register(SignMomentum, state=spec, counts_steps=True)(declared)
+    try:
+        report = upd.verify(path)
+        assert report.exit_code == EXIT_MATCH, report.summary()
+        assert report.checks["state_checked"].sum() == 3 * 4
+        assert sorted(set(seen_steps)) == [0, 1, 2, 3]
+        upd.replay.register(SignMomentum, state=spec, counts_steps=True)(
+            lambda *args: declared(*args, off=1.001))
+        report = upd.verify(path)
+        assert report.exit_code == EXIT_MISMATCH
+        assert (report.checks[report.checks["status"] == "mismatch"]["note"]
+                .str.contains("next record's optimizer state differs").all())
+    finally:
+        upd.replay.unregister(SignMomentum)
+
+
+def test_a_record_lacking_declared_state_is_skipped_not_failed(sample_copy):
+    path = sample_copy("adam.h5")
+    with h5py.File(path, "r+") as f:
+        present = f[schema.PARAMETER.at(schema.STATE_PRESENT, k=0, name='fc2.bias')]
+        keys = json.loads(f[schema.STATE.path(k=0, name='fc2.bias')].attrs["keys"])
+        rows = present[()]
+        rows[5, keys.index("exp_avg_sq")] = 0
+        present[...] = rows
+    report = upd.verify(path)
+    skipped = report.checks[report.checks["status"] == "skipped"]
+    assert list(zip(skipped["param"], skipped["step"])) == [("fc2.bias", 5)]
+    assert skipped["note"].iloc[0] == "state lacks exp_avg_sq"
+
+
+def test_a_declared_state_entry_of_another_shape_is_an_unusable_file(sample_copy):
+    """The rule fails on it, but the record is at fault: RunFileError (exit 2), not a rule failure."""
+    path = sample_copy("adam.h5")
+    with h5py.File(path, "r+") as f:
+        name = f"{schema.STATE.path(k=0, name='fc2.bias')}/exp_avg"
+        data, attrs = f[name][()], dict(f[name].attrs)
+        del f[name]
+        f.create_dataset(name, data=data[:, :7], maxshape=(None, 7))
+        f[name].attrs.update(attrs)
+    with pytest.raises(upd.RunFileError, match=r"state 'exp_avg' has shape \(7,\)"):
+        upd.verify(path)
+
+
+@pytest.mark.parametrize("counter", [float("nan"), -3.0, float("inf")])
+def test_a_step_counter_that_is_not_a_count_is_an_unusable_file(sample_copy, counter):
+    path = sample_copy("adam.h5")
+    with h5py.File(path, "r+") as f:
+        f[f"{schema.STATE.path(k=0, name='fc1.weight')}/step"][4] = counter
+    with pytest.raises(upd.RunFileError, match="step counter"):
+        upd.verify(path)
+
+
+def test_when_a_rule_raises_the_adapter_blames_the_record_only_for_what_the_rule_declared():
+    """Adam declares exp_avg shaped like the parameter: a recorded one of another shape is the file's fault
+    (UnusableRecord), while the same exception on well-shaped state is the rule's own."""
+    from upd.replay.registry import UnusableRecord
+
+    rule = upd.replay.lookup("torch.optim.Adam")
+    param, grad = torch.ones(10, dtype=torch.float64), torch.ones(10, dtype=torch.float64)
+    group = {"lr": 1e-3, "betas": [0.9, 0.999], "eps": 1e-8, "weight_decay": 0.0}
+    good = {"step": torch.tensor([3.0]), "exp_avg": torch.zeros(10), "exp_avg_sq": torch.zeros(10)}
+    assert rule.replay(param, grad, good, group, 3).state["step"].item() == 4.0
+    with pytest.raises(UnusableRecord, match=r"state 'exp_avg' has shape \(7,\)"):
+        rule.replay(param, grad, dict(good, exp_avg=torch.zeros(7)), group, 3)
+    with pytest.raises(UnusableRecord, match="'betas'"):
+        rule.replay(param, grad, good, {k: v for k, v in group.items() if k != "betas"}, 3)
+
+    def buggy(param, grad, state, group, step):
+        raise RuntimeError("a bug")
+
+    upd.replay.register("tests.Buggy", state={"exp_avg": upd.replay.zeros})(buggy)
+    try:
+        with pytest.raises(RuntimeError, match="a bug") as exc:
+            upd.replay.lookup("tests.Buggy").replay(param, grad, {"exp_avg": torch.zeros(10)}, group, 3)
+        assert not isinstance(exc.value, UnusableRecord)
+    finally:
+        upd.replay.unregister("tests.Buggy")

@@ -1,4 +1,5 @@
-"""Replay-matrix cases: every module here defines CASES, a list of Case; tests/test_replay_matrix.py runs them all.
+"""Replay-matrix cases: every module here defines CASES, a list of Case; tests/verify/test_replay_matrix.py runs
+them all (recording each with tests/harness/replay_matrix.py).
 
 A case records a short real training run (a small model, two param groups: weights, and everything else at half
 the lr) with one optimizer configuration, then checks that `upd.verify` passes, and that each listed perturbation
@@ -11,7 +12,7 @@ import pkgutil
 from dataclasses import dataclass, field
 from typing import Callable
 
-# Perturbations a case can list (see tests/test_replay_matrix.py):
+# Perturbations a case can list (see tests/verify/test_replay_matrix.py):
 #   "update"        the recorded update of one parameter at one step is off by 1%
 #   "lr"            the lr recorded for one step is 1% off what the optimizer used
 #   "weight_decay"  the recorded weight_decay of one step is set to 0 (needs weight_decay != 0 in the case)
