@@ -20,7 +20,7 @@ from .. import __version__, lifetime
 from ..integrations.tensorboard import TensorBoardSink
 from ..runfile import encoding, schema
 from ..runfile.async_writer import AsyncRunWriter
-from ..runfile.record import ParamSnapshot, Record
+from ..runfile.record import ParamSnapshot, Record, param_meta
 from .device_stats import StepStatistics
 from .flight_recorder import FlightRecorder
 from .naming import ParamNames, is_selected, model_names, patterns
@@ -410,11 +410,7 @@ class Recorder:
             rec.params = [t.snapshot for t in pending.params]
         if pending.stats is not None:
             rec.stats = self._step_statistics(pending)
-            rec.stats_meta = {t.snapshot.name: {"name": t.snapshot.name, "group": t.snapshot.group,
-                                                "index_in_group": t.snapshot.index_in_group,
-                                                "shape": list(t.live.shape),
-                                                "dtype": str(t.live.dtype).replace("torch.", "")}
-                              for t in pending.params}
+            rec.stats_meta = {t.snapshot.name: param_meta(t.snapshot, t.live) for t in pending.params}
         if rec.full:
             for t in pending.params:
                 t.snapshot.param_after = cpu_copy(t.live) if "param" in self.what else None

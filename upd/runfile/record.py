@@ -10,6 +10,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from .encoding import dtype_name
+
 
 @dataclass
 class ParamSnapshot:
@@ -22,6 +24,14 @@ class ParamSnapshot:
     grad: torch.Tensor | None = None
     state: dict = field(default_factory=dict)  # key -> CPU tensor (0-d for scalars)
     param_after: torch.Tensor | None = None
+
+
+def param_meta(snap: ParamSnapshot, like: torch.Tensor | None) -> dict:
+    """The metadata the file keeps of a parameter (its group's ``meta`` attribute, the statistics table's
+    ``param_meta``): its name and place in the optimizer, and the shape and dtype of `like` (the parameter)."""
+    return {"name": snap.name, "group": snap.group, "index_in_group": snap.index_in_group,
+            "shape": list(like.shape) if like is not None else None,
+            "dtype": dtype_name(like.dtype) if like is not None else None}
 
 
 @dataclass

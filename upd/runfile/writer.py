@@ -24,7 +24,7 @@ import torch
 from . import encoding, schema
 from .guards import SUPERBLOCK_BYTES, parse_superblock
 from .livelock import WriterLocks
-from .record import ParamSnapshot, Record
+from .record import ParamSnapshot, Record, param_meta
 
 try:
     import resource  # POSIX: the file-size limit counts as space
@@ -183,13 +183,7 @@ class RunWriter:
             return params[snap.name]
         grp = params.create_group(snap.name)
         reference = snap.param if snap.param is not None else snap.grad if snap.grad is not None else snap.param_after
-        grp.attrs[schema.ATTR_META] = encoding.to_json({
-            "name": snap.name,
-            "group": snap.group,
-            "index_in_group": snap.index_in_group,
-            "shape": list(reference.shape) if reference is not None else None,
-            "dtype": encoding.dtype_name(reference.dtype) if reference is not None else None,
-        })
+        grp.attrs[schema.ATTR_META] = encoding.to_json(param_meta(snap, reference))
         _create_declared(grp, schema.PARAMETER)  # the record index and state_present; tensors at their first row
         st = grp.create_group(schema.STATE_GROUP)
         st.attrs[schema.STATE_KEYS] = encoding.to_json([])
