@@ -1,0 +1,57 @@
+"""Real multi-process jobs on the CPU: torch.multiprocessing workers in a gloo process group.
+
+``run_job(worker, world_size, *args)`` starts `world_size` processes, each calling ``worker(rank, world_size,
+*args)`` inside an initialised process group, and returns what each worker returned (picklable values), in rank
+order. A worker that raises fails the job with its traceback. Workers must be module-level functions (they are
+pickled by reference).
+"""
+from __future__ import annotations
+
+import os
+import socket
+import time
+import traceback
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _entry(rank, world_size, port, worker, args, results):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
+                      WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))
+    torch.set_num_threads(1)  # 2 cores shared by every worker
+    dist.init_process_group("gloo", rank=rank, world_size=world_size)
+    try:
+        results[rank] = ("ok", worker(rank, world_size, *args))
+    except BaseException:
+        results[rank] = ("error", traceback.format_exc())
+        raise
+    finally:
+        dist.destroy_process_group()
+
+
+def run_job(worker, world_size: int, *args, timeout: float = 120.0) -> list:
+    """Run worker(rank, world_size, *args) on world_size gloo processes; the workers' return values by rank."""
+    ctx = mp.get_context("spawn")
+    with ctx.Manager() as manager:
+        results = manager.dict()
+        context = mp.start_processes(_entry, args=(world_size, free_port(), worker, args, results),
+                                     nprocs=world_size, join=False, start_method="spawn")
+        deadline = time.monotonic() + timeout
+        try:
+            while not context.join(timeout=1.0):
+                if time.monotonic() > deadline:
+                    for process in context.processes:
+                        process.kill()
+                    raise AssertionError(f"the job did not finish within {timeout:g} s")
+        except mp.ProcessRaisedException as exc:
+            errors = [v[1] for v in results.values() if v[0] == "error"]
+            raise AssertionError("a worker failed:\n" + ("\n".join(errors) or str(exc))) from None
+        return [results[r][1] for r in range(world_size)]
