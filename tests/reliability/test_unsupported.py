@@ -257,7 +257,7 @@ def test_sparse_parameter_trained_with_sgd_recorded_densified(tmp_path, options)
     assert 2 in set(report.checks[report.checks["status"] == "mismatch"]["step"])
 
 
-# -- DTensor: not recorded until distributed support lands -------------------------------------------------------
+# -- DTensor whose local part is no slice of the whole (a Partial gradient): recording stops --------------------
 @pytest.fixture
 def cpu_mesh(tmp_path):
     """A one-process gloo process group and its DeviceMesh("cpu", [0]), destroyed after the test."""
@@ -293,6 +293,14 @@ def dtensor_input(mesh):
     return distribute_tensor(torch.randn(5, 6), mesh, [Replicate()])
 
 
+def partial_grad(param, mesh):
+    """The parameter's gradient as a Partial DTensor (each rank a summand): the recorder cannot store it as a part
+    of the whole gradient."""
+    from torch.distributed.tensor import DTensor, Partial
+
+    param.grad = DTensor.from_local(param.grad.to_local(), mesh, [Partial()])
+
+
 @pytest.mark.parametrize("options", [{}, {"every": None, "stats_every": 1}, {"every": None, "flight_recorder": 3}],
                          ids=["full", "stats", "flight"])
 @pytest.mark.parametrize("placement", ["replicate", "shard0"])
@@ -310,6 +318,7 @@ def test_dtensor_parameters_warn_once_and_training_goes_on(tmp_path, cpu_mesh, p
             for _ in range(3):
                 opt.zero_grad()
                 model(dtensor_input(cpu_mesh)).pow(2).mean().backward()
+                partial_grad(model.weight, cpu_mesh)
                 opt.step()
                 seen.append(model.weight.full_tensor().clone())
     warned = [w for w in caught if issubclass(w.category, upd.RecorderWarning)]
@@ -321,9 +330,9 @@ def test_dtensor_parameters_warn_once_and_training_goes_on(tmp_path, cpu_mesh, p
 
 
 def test_dtensor_parameter_added_mid_run_stops_at_that_step(tmp_path, cpu_mesh):
-    """Plain parameters are recorded until a DTensor appears (add_param_group at step 3): the three records before
-    stay readable and verify, the DTensor trains on unrecorded."""
-    from torch.distributed.tensor import distribute_tensor, Shard
+    """Plain parameters are recorded until a DTensor with a Partial gradient appears (add_param_group at step 3):
+    the three records before stay readable and verify, the DTensor trains on unrecorded."""
+    from torch.distributed.tensor import DTensor, Partial, Shard, distribute_tensor
 
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(6, 4))
@@ -340,7 +349,7 @@ def test_dtensor_parameter_added_mid_run_stops_at_that_step(tmp_path, cpu_mesh):
                     opt.add_param_group({"params": [extra], "lr": 0.05})
                 opt.zero_grad()
                 model(torch.randn(4, 6)).pow(2).mean().backward()
-                extra.grad = distribute_tensor(torch.ones(4, 2), cpu_mesh, [Shard(0)])
+                extra.grad = DTensor.from_local(torch.ones(4, 2), cpu_mesh, [Partial()])
                 opt.step()
     warned = [w for w in caught if issubclass(w.category, upd.RecorderWarning)]
     assert len(warned) == 1 and "DTensor" in str(warned[0].message) and rec.error is not None
@@ -357,4 +366,5 @@ def test_strict_raises_on_a_dtensor_parameter(tmp_path, cpu_mesh):
         with upd.record(str(tmp_path / "run.h5"), model, opt, strict=True):
             opt.zero_grad()
             model(dtensor_input(cpu_mesh)).pow(2).mean().backward()
+            partial_grad(model.weight, cpu_mesh)
             opt.step()

@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 
 import pandas as pd
 
+from ..runfile.job import Job
 from ..runfile.reader import Run, open_run
 from .summary import Thresholds, summarize
 
@@ -23,9 +24,9 @@ class Analysis:
 
 def analyze(run, out_dir=None, *, thresholds: Thresholds = Thresholds(), hist_step: int | None = None,
             all_params: bool = False) -> Analysis:
-    """Compute ratios and the summary of a run (path or open Run); with out_dir, also write the PNG plots and
-    summary.csv there (the folder is created if needed, never emptied)."""
-    own = not isinstance(run, Run)
+    """Compute ratios and the summary of a run (path, or an open Run or Job); with out_dir, also write the PNG plots
+    and summary.csv there (the folder is created if needed, never emptied)."""
+    own = not isinstance(run, (Run, Job))
     if own:
         run = open_run(run)
     try:

@@ -111,3 +111,24 @@ def ratios_from_stats(stats: pd.DataFrame, numel: dict) -> pd.DataFrame:
     out["flag"] = [ratio_flags(n, [p], [u], [g])[0] for n, p, u, g in
                    zip(out["numel"], out["param_std"], out["update_std"], out["grad_nonfinite"])]
     return out[RATIO_TABLE_COLUMNS]
+
+
+def ratios_table(reader, block_bytes: int, source: str, stats_rows: dict, stats_table) -> pd.DataFrame:
+    """``ratios()`` of a Run or a Job: per optimizer, from the full tensors or from the statistics table.
+
+    stats_rows: {optimizer index: committed statistics rows}; stats_table(): the statistics table (read only when
+    it is used). source "auto" uses, per optimizer, whichever covers more steps."""
+    if source not in ("auto", "tensors", "stats"):
+        raise ValueError(f"source must be 'auto', 'tensors' or 'stats', got {source!r}")
+    use_stats = {opt.index for opt in reader.optimizers if stats_rows.get(opt.index) and (
+        source == "stats" or (source == "auto" and stats_rows[opt.index] > opt.num_records))}
+    parts = []
+    if len(use_stats) < len(reader.optimizers):
+        tensors = ratios_frame(reader, block_bytes)
+        parts.append(tensors[~tensors["optimizer"].isin(use_stats)])
+    if use_stats:
+        stats = stats_table()
+        numel = {(r.optimizer, r.param): r.numel for r in reader.params().itertuples()}
+        parts.append(ratios_from_stats(stats[stats["optimizer"].isin(use_stats)], numel))
+    parts = [p for p in parts if len(p)]
+    return pd.concat(parts, ignore_index=True) if parts else ratios_frame(reader, block_bytes)

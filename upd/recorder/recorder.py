@@ -20,12 +20,14 @@ from .. import __version__, lifetime
 from ..integrations.tensorboard import TensorBoardSink
 from ..runfile import encoding, schema
 from ..runfile.async_writer import AsyncRunWriter
-from ..runfile.record import ParamSnapshot, Record, param_meta
+from ..runfile.record import ParamSnapshot, Record, ShardLayout, param_meta
+from . import distributed
 from .device_stats import StepStatistics
 from .flight_recorder import FlightRecorder
 from .naming import ParamNames, is_selected, model_names, patterns
 from .resume import has_step_counter, initial_step, resume_problems
-from .snapshots import cpu_copy, dense, dtensor_class, hparams_snapshot, refuse_dtensor, state_snapshot
+from .snapshots import (cpu_copy, dense, dtensor_class, hparams_snapshot, local_part, refuse_unlike_param,
+                        shard_layout, state_snapshot)
 
 
 class RecorderWarning(UserWarning):
@@ -62,7 +64,8 @@ class Recorder:
                  include=None, exclude=None, what: Sequence[str] = schema.WHAT_CHOICES, dtype: str = "keep",
                  compression=None, tensorboard=None, zero_counts: Sequence[str] = ("grad",),
                  flight_recorder: int | None = None,
-                 spike_factor: float = 10.0, overwrite: bool = False, resume: bool = False, strict: bool = False):
+                 spike_factor: float = 10.0, overwrite: bool = False, resume: bool = False, strict: bool = False,
+                 ranks=None):
         if optimizer is None:
             raise TypeError("upd.record needs the optimizer (or a list of optimizers) to watch")
         optimizers = list(optimizer) if isinstance(optimizer, (list, tuple)) else [optimizer]
@@ -89,7 +92,15 @@ class Recorder:
         if compression not in (None, "gzip", "lzf"):
             raise ValueError(f"compression= must be None, 'gzip' or 'lzf', got {compression!r}")
 
-        self.path = os.fspath(path)
+        # In a distributed job: which ranks record, into which file. Decided from the wrappers the user passed
+        # (DDP, ZeRO), then recording looks through them: names from the wrapped model, hooks on the optimizer
+        # that steps this rank's parameters.
+        self.rank_setup = distributed.setup(path, model, optimizers, ranks)
+        recording_here = self.rank_setup is None or self.rank_setup.records
+        self.path = self.rank_setup.file if recording_here and self.rank_setup else os.fspath(path)
+        job_optimizers = optimizers
+        model = distributed.unwrap_model(model)
+        optimizers = [distributed.local_optimizer(opt) for opt in job_optimizers]
         self.optimizers = optimizers
         self.every = every
         self.stats_every = stats_every
@@ -101,7 +112,7 @@ class Recorder:
         self.spike_factor = spike_factor
         self._flight: FlightRecorder | None = None  # made with the writer it dumps to
         self._tensorboard = None
-        if tensorboard is not None:
+        if tensorboard is not None and recording_here:
             self._tensorboard = TensorBoardSink(tensorboard)
         self.include = patterns(include)
         self.exclude = patterns(exclude)
@@ -117,8 +128,11 @@ class Recorder:
         self._records = 0  # records written at the cadences (the flight recorder counts its dumps)
         self._backward_counts: dict[int, int] = {}
         self._hooked_params: set[int] = set()
-        self._names = [ParamNames(names_in_model) for _ in optimizers]
+        self._names = [ParamNames({**distributed.global_names(opt), **names_in_model}) for opt in job_optimizers]
         self._layouts: dict[int, tuple] = {}  # parameter ids when names were last assigned
+        self._shards: dict[int, ShardLayout] = {}  # id(DTensor parameter) -> its ShardLayout, found with its name
+        if not recording_here:
+            return  # another rank records: no file, no hooks, nothing to close
 
         meta = {
             "upd_version": __version__,
@@ -135,6 +149,11 @@ class Recorder:
         }
         if overwrite and resume:
             raise ValueError("pass overwrite=True or resume=True, not both")
+        if self.rank_setup is not None:
+            meta[distributed.META_KEY] = self.rank_setup.meta()
+            conflict = distributed.layout_conflict(self.rank_setup)
+            if conflict:
+                raise ValueError(f"{self.path}: cannot {'resume' if resume else 'record'}: {conflict}")
         # HDF5 writes happen on a writer thread behind a queue of 2 records: training waits only when the disk is
         # slower than training (+5% instead of +24% inline, docs/background.md).
         try:
@@ -173,7 +192,8 @@ class Recorder:
                     for p in group["params"]:
                         self._hook_backward_counter(p)
             if model is not None:
-                optimized = {id(p) for opt in optimizers for g in opt.param_groups for p in g["params"]}
+                # A ZeRO rank's local optimizer holds its partition only; the job's optimizer holds them all.
+                optimized = {id(p) for opt in job_optimizers for g in opt.param_groups for p in g["params"]}
                 self._writer.set_attr(schema.ATTR_PARAMS_NOT_OPTIMIZED,
                                       [n for n, p in model.named_parameters() if id(p) not in optimized])
         except BaseException:
@@ -300,7 +320,9 @@ class Recorder:
             for g, group in enumerate(optimizer.param_groups):
                 for i, p in enumerate(group["params"]):
                     name = names.name(p, g, i, group)
-                    refuse_dtensor(dtensor, p, f"parameter {name}")
+                    layout_of_part = shard_layout(p, f"parameter {name}")
+                    if layout_of_part is not None:
+                        self._shards[id(p)] = layout_of_part
                     self._hook_backward_counter(p)
             self._layouts[opt_index] = layout
         selected = self.every is not None and step % self.every == 0
@@ -316,11 +338,12 @@ class Recorder:
                 # closure the gradient appears only inside step(), so that is decided after the step.
                 if (p.grad is None and not closure_step) or not is_selected(name, self.include, self.exclude):
                     continue
-                if dtensor is not None:  # a DTensor gradient or state of a plain parameter: stop at the first one
-                    refuse_dtensor(dtensor, p.grad, f"the gradient of {name}")
+                if dtensor is not None:  # DTensor gradients and state are stored as the parameter's part
+                    refuse_unlike_param(p.grad, p, f"the gradient of {name}")
                     for key, value in optimizer.state.get(p, {}).items():
-                        refuse_dtensor(dtensor, value, f"optimizer state {key!r} of {name}")
-                tracked = _TrackedParam(live=p, snapshot=ParamSnapshot(name=name, group=g, index_in_group=i))
+                        refuse_unlike_param(value, p, f"optimizer state {key!r} of {name}")
+                tracked = _TrackedParam(live=p, snapshot=ParamSnapshot(name=name, group=g, index_in_group=i,
+                                                                       shard=self._shards.get(id(p))))
                 if full:
                     snap = tracked.snapshot
                     if "param" in self.what:
@@ -332,7 +355,7 @@ class Recorder:
                 else:
                     # Statistics only: the one snapshot the update needs, kept on the parameter's device and freed
                     # after the step.
-                    tracked.before = p.detach().clone()
+                    tracked.before = local_part(p.detach()).clone()
                 params.append(tracked)
         backward = max((self._backward_counts.get(id(p), 0) for g in optimizer.param_groups for p in g["params"]),
                        default=0)
@@ -358,18 +381,18 @@ class Recorder:
             p, name = tracked.live, tracked.snapshot.name
             if p.grad is not None and not closure_step:
                 keys.append((name, "grad"))
-                tensors.append(p.grad)
+                tensors.append(local_part(p.grad))
             for key, value in optimizer.state.get(p, {}).items():
                 if isinstance(value, torch.Tensor) and value.numel() > 0:
                     keys.append((name, f"state.{key}"))
-                    tensors.append(value)
+                    tensors.append(local_part(value))
         live = {tracked.snapshot.name: tracked.live for tracked in params}
 
         def after_the_step():
             # A NaN/Inf recount reads the tensor again: the gradient is still there; the state has been updated
             # in place by the step, so its count is of the state after the step.
-            return [live[name].grad if kind == "grad" else
-                    optimizer.state.get(live[name], {}).get(kind[len("state."):]) for name, kind in keys]
+            return [local_part(live[name].grad if kind == "grad" else
+                               optimizer.state.get(live[name], {}).get(kind[len("state."):])) for name, kind in keys]
         stats.launch(keys, tensors, recount=after_the_step)
 
     def _step_statistics(self, pending: _StepInProgress) -> dict:
@@ -385,13 +408,13 @@ class Recorder:
                 before = tracked.before
                 kinds = {"param": before}
                 if pending.closure and live.grad is not None:  # step(closure): the gradient of the last call
-                    kinds["grad"] = live.grad
+                    kinds["grad"] = local_part(live.grad)
             for kind, t in kinds.items():
                 if t is not None:
                     keys.append((snap.name, kind))
                     tensors.append(t)
             if before is not None:
-                after = live.detach()
+                after = local_part(live.detach())
                 updates.append((dense(after).to("cpu") if full else after) - before)
                 update_keys.append((snap.name, "update"))
         pending.stats.launch(keys, tensors)
@@ -410,7 +433,7 @@ class Recorder:
             rec.params = [t.snapshot for t in pending.params]
         if pending.stats is not None:
             rec.stats = self._step_statistics(pending)
-            rec.stats_meta = {t.snapshot.name: param_meta(t.snapshot, t.live) for t in pending.params}
+            rec.stats_meta = {t.snapshot.name: param_meta(t.snapshot, local_part(t.live)) for t in pending.params}
         if rec.full:
             for t in pending.params:
                 t.snapshot.param_after = cpu_copy(t.live) if "param" in self.what else None
@@ -481,6 +504,8 @@ class Recorder:
 
     def __repr__(self) -> str:
         state = "recording" if self.active else "closed"
+        if self.rank_setup is not None and not self.rank_setup.records:
+            state = f"not recording on rank {self.rank_setup.rank}"
         return f"<upd.Recorder {self.path!r} {state}, {self.records} records>"
 
 
@@ -493,11 +518,15 @@ def record(path, model=None, optimizer=None, **options) -> Recorder:
             train()
 
     Args:
-        path: the run file to create. An existing file is refused unless ``overwrite=True``.
-        model: optional ``nn.Module``; parameter names come from ``model.named_parameters()``. Without it names
-            come from the optimizer's ``param_names`` (when built from ``named_parameters()``), else
-            ``group{g}.param{i}``.
-        optimizer: a ``torch.optim.Optimizer`` or a list of them.
+        path: the run file to create. An existing file is refused unless ``overwrite=True``. In a distributed job
+            (an initialised ``torch.distributed`` process group of several processes; make the same call on every
+            rank) `path` names the job: each recording rank writes its own file, ``runs/exp1.rank0-of-4.h5`` and so
+            on, or `path` itself when rank 0 alone records. ``upd.open_run(path)`` reads the whole job.
+        model: optional ``nn.Module``; parameter names come from ``model.named_parameters()`` (through a
+            ``DistributedDataParallel`` wrapper: no ``module.`` prefix). Without it names come from the optimizer's
+            ``param_names`` (when built from ``named_parameters()``), else ``group{g}.param{i}``.
+        optimizer: a ``torch.optim.Optimizer`` or a list of them. A ``ZeroRedundancyOptimizer`` is recorded through
+            its local optimizer: each rank records the partition it steps.
         every: record every N-th optimizer step (default 1: every step).
         include / exclude: glob pattern(s) on parameter names, e.g. ``include="*.weight"``.
         what: subset of ``("param", "grad", "state")`` to store (default all three).
@@ -516,5 +545,11 @@ def record(path, model=None, optimizer=None, **options) -> Recorder:
             update-norm spike above ``spike_factor`` (default 10) times its recent median, or ``rec.dump(reason)``.
             The reasons are stored (``Run.dumps``); the dumped steps replay and verify like any others.
         strict: raise recorder errors instead of warning once and stopping recording.
+        ranks: which ranks of a distributed job record (ignored in a single process). ``None`` (default): every
+            rank when each holds a part of the model (FSDP2 shards, ZeroRedundancyOptimizer partitions), rank 0
+            alone otherwise (DDP and other replicated training: the replicas are identical), into `path` itself.
+            ``"all"``: every rank, one file each (``upd verify`` then also checks that the replicas agree). An
+            int: that rank only. Other ranks get an inactive recorder (``rec.active`` is False): no file, no hooks.
+            With ``resume=True`` each rank resumes its own file; the job must have the same number of processes.
     """
     return Recorder(path, model, optimizer, **options)

@@ -14,7 +14,9 @@ import pandas as pd
 import torch
 
 from ..runfile import encoding, schema
+from ..runfile.job import Job
 from ..runfile.reader import OptimizerRun, ParamRecord, Run, RunFileError, open_run
+from ..runfile.record import holds_part
 from .explain import explain
 from .registry import (NotReplayable, ReplayRule, ReplayRuleError, UnusableRecord, check_tolerances, lookup,
                        registered, same_shape)
@@ -44,6 +46,10 @@ class Check:
 
 
 CHECK_COLUMNS = [f.name for f in fields(Check) if f.name != "precision_limit"]
+# A distributed job's checks also say which rank's file each came from, right after the optimizer; a single-file
+# run's table has no rank column (its output is as it always was).
+RANK = "rank"
+JOB_CHECK_COLUMNS = CHECK_COLUMNS[:1] + [RANK] + CHECK_COLUMNS[1:]
 
 _SPACING = {"float64": torch.finfo(torch.float64).eps, "float32": torch.finfo(torch.float32).eps,
             "float16": torch.finfo(torch.float16).eps, "bfloat16": torch.finfo(torch.bfloat16).eps}
@@ -92,7 +98,9 @@ def _largest(t: torch.Tensor) -> float:
 
 @dataclass
 class VerifyReport:
-    """Result of ``upd.verify``: ``checks`` has one row per (optimizer, param, record)."""
+    """Result of ``upd.verify``: ``checks`` has one row per (optimizer, param, record); for a distributed job one
+    per (optimizer, rank, param, record), with a ``rank`` column (each rank's file is replayed as it is: its shard,
+    partition or replica) and ``record`` the record in that rank's file."""
 
     path: str
     checks: pd.DataFrame
@@ -100,6 +108,7 @@ class VerifyReport:
     precision_notes: list = field(default_factory=list)  # limits set by reduced-precision storage
     params_not_optimized: list = field(default_factory=list)  # model parameters no recorded optimizer holds
     live: bool = False  # the run was being written: these are the records committed when it was opened
+    world_size: int | None = None  # a distributed job's: its checks have a rank column
 
     @property
     def matched(self) -> int:
@@ -126,10 +135,14 @@ class VerifyReport:
         return self.exit_code == EXIT_MATCH
 
     def by_param(self) -> pd.DataFrame:
-        """Per parameter: checked/matched/mismatched/skipped counts, worst errors, first mismatching step."""
+        """Per parameter: checked/matched/mismatched/skipped counts, worst errors, first mismatching step (for a job
+        over all its ranks, with the rank of the first mismatch, also named in the explanation)."""
         rows = []
+        by_rank = RANK in self.checks.columns
         for (opt, param), df in self.checks.groupby(["optimizer", "param"], sort=False):
             bad = df[df["status"] == "mismatch"]
+            if by_rank:
+                bad = bad.sort_values(["step", RANK], kind="stable")
             rows.append({
                 "optimizer": opt, "param": param, "checked": int((df["status"] != "skipped").sum()),
                 "matched": int((df["status"] == "match").sum()), "mismatched": len(bad),
@@ -140,11 +153,22 @@ class VerifyReport:
                 "explanation": bad.sort_values("step")["note"].iloc[0] if len(bad) else "",
                 "result": "FAIL" if len(bad) else ("ok" if (df["status"] == "match").any() else "skipped"),
             })
-        return pd.DataFrame(rows)
+            if by_rank:
+                first = int(bad[RANK].iloc[0]) if len(bad) else None
+                rows[-1]["first_mismatch_rank"] = first
+                if first is not None:
+                    rows[-1]["explanation"] = f"rank {first}: " + rows[-1]["explanation"]
+        table = pd.DataFrame(rows)
+        if by_rank and len(table):
+            table["first_mismatch_rank"] = table["first_mismatch_rank"].astype("Int64")  # a rank, or <NA>
+        return table
 
     def summary(self) -> str:
         lines = [f"{self.path}: {self.matched} step-parameter checks matched, {self.mismatched} mismatched, "
                  f"{self.skipped} skipped"]
+        if self.world_size is not None:
+            lines.append(f"  distributed job of {self.world_size} processes: each rank's file replayed on its own "
+                         "(shard by shard), replicas compared")
         if self.live:
             lines.append("  the run is being written: checked the records committed when it was opened")
         lines += [f"  {p}" for p in self.problems]
@@ -155,7 +179,8 @@ class VerifyReport:
         if self.mismatched:
             bad = self.checks[self.checks["status"] == "mismatch"].sort_values("err_to_tol", ascending=False)
             for _, r in bad.head(5).iterrows():
-                lines.append(f"  MISMATCH {r['param']} step {r['step']}: max abs err {r['max_abs_err']:.3g} "
+                where = f" rank {r[RANK]}" if RANK in r else ""
+                lines.append(f"  MISMATCH {r['param']} step {r['step']}{where}: max abs err {r['max_abs_err']:.3g} "
                              f"({r['err_to_tol']:.3g}x tolerance){'; ' + r['note'] if r['note'] else ''}")
         else:
             skipped = self.checks[self.checks["status"] == "skipped"]["note"].drop_duplicates().head(3)
@@ -166,31 +191,41 @@ class VerifyReport:
 def verify(run, *, rtol: float | None = None, ulps: float | None = None) -> VerifyReport:
     """Replay every recorded step of every optimizer and compare with the recorded result.
 
-    ``run`` is a path or an open ``upd.Run``. ``rtol``/``ulps`` override each rule's documented tolerance (finite,
-    >= 0: ValueError otherwise). Raises ``RunFileError`` for an unusable file and ``upd.replay.ReplayRuleError``
-    when a replay rule raises (a bug in the rule).
+    ``run`` is a path or an open ``upd.Run`` or ``Job`` (a distributed job: every rank's file is replayed as it is,
+    shard by shard, and replicas several ranks hold whole are checked to agree). ``rtol``/``ulps`` override each
+    rule's documented tolerance (finite, >= 0: ValueError otherwise). Raises ``RunFileError`` for an unusable file
+    and ``upd.replay.ReplayRuleError`` when a replay rule raises (a bug in the rule).
     """
     check_tolerances(rtol, ulps)
-    own = not isinstance(run, Run)
+    own = not isinstance(run, (Run, Job))
     if own:
         run = open_run(run)
     try:
-        checks, problems, notes = [], [], []
-        for opt in run.optimizers:
-            replay = OptimizerReplay.of(run, opt, rtol=rtol, ulps=ulps)
-            if replay.rule is None:
-                problems.append(f"optimizer {opt.index} ({opt.class_name}, torch {run.torch_version}) has no replay "
-                                f"rule; registered: {', '.join(registered())}")
-            for p in opt.param_records.values():
-                param_checks = [check_step(replay, p, row) for row in range(p.num_rows)]
-                checks += param_checks
-                note = _precision_note(p, param_checks)
-                if note:
-                    notes.append(note)
-        table = pd.DataFrame([{c: getattr(check, c) for c in CHECK_COLUMNS} for check in checks],
-                             columns=CHECK_COLUMNS)
+        job = run if isinstance(run, Job) else None
+        files = job.ranks if job is not None else {None: run}
+        checks, problems = [], []  # checks: (rank or None, Check)
+        per_param: dict[tuple[int, str], tuple[ParamRecord, list]] = {}  # for the precision notes, over ranks
+        for rank, file in files.items():
+            for opt in file.optimizers:
+                replay = OptimizerReplay.of(file, opt, rtol=rtol, ulps=ulps)
+                if replay.rule is None:
+                    problem = (f"optimizer {opt.index} ({opt.class_name}, torch {file.torch_version}) has no replay "
+                               f"rule; registered: {', '.join(registered())}")
+                    if problem not in problems:
+                        problems.append(problem)
+                for p in opt.param_records.values():
+                    param_checks = [check_step(replay, p, row) for row in range(p.num_rows)]
+                    checks += [(rank, check) for check in param_checks]
+                    per_param.setdefault((opt.index, p.name), (p, []))[1].extend(param_checks)
+        if job is not None:
+            checks += replica_checks(job.ranks, ulps=ulps)
+        notes = [note for p, param_checks in per_param.values() if (note := _precision_note(p, param_checks))]
+        columns = CHECK_COLUMNS if job is None else JOB_CHECK_COLUMNS
+        table = pd.DataFrame([{RANK: rank, **{c: getattr(check, c) for c in CHECK_COLUMNS}} for rank, check in checks],
+                             columns=columns)
         return VerifyReport(path=os.fspath(run.path), checks=table, problems=problems, precision_notes=notes,
-                            params_not_optimized=list(run.params_not_optimized), live=run.live)
+                            params_not_optimized=list(run.params_not_optimized), live=run.live,
+                            world_size=job.world_size if job is not None else None)
     finally:
         if own:
             run.close()
@@ -234,6 +269,14 @@ def check_step(replay: OptimizerReplay, p: ParamRecord, row: int) -> Check:
     if rule is None:
         check.note = f"no replay rule for {opt.class_name}"
         return check
+    if holds_part(p.meta):
+        # A rank's shard of a distributed parameter replays on its own only under elementwise math.
+        if rule.needs_whole_tensor:
+            check.note = f"{rule.name} needs the whole tensor; this parameter is a shard"
+            return check
+        if p.numel == 0:
+            check.note = "this rank holds no part of this parameter (an empty shard)"
+            return check
     if missing:
         check.note = f"{', '.join(missing)} not recorded"
         return check
@@ -350,3 +393,72 @@ def _state_error(recorded: dict | None, replayed_state: dict, eps, ulps, rtol) -
         _, ratio = compare(value, rec, _largest(rec), eps=eps, ulps=ulps, rtol=rtol)
         worst = ratio if worst is None else max(worst, ratio)
     return worst
+
+
+# -- replica agreement (a distributed job recorded with ranks="all") ------------------------------------------------
+# Data-parallel replicas start from one broadcast copy and apply the same all-reduced gradient with the same
+# elementwise math, so they are bitwise equal; a replica that drifts is a real bug (a rank that skipped an
+# all-reduce, a desynchronised seed or scheduler) that no single rank's replay can see. One unit of storage spacing
+# per element is allowed unless `ulps=` says otherwise.
+REPLICA_ULPS = 1.0
+
+
+def _replicated(records: list[ParamRecord]) -> bool:
+    """Whether these records of one parameter (one per rank) each hold the parameter whole: same shape everywhere,
+    and no rank holds a shard of a bigger tensor (a DTensor's ``global_shape`` larger than what is stored)."""
+    return len(records) > 1 and len({p.shape for p in records}) == 1 and not any(holds_part(p.meta) for p in records)
+
+
+def _rows_by_step(p: ParamRecord) -> dict[int, int]:
+    steps = p.optimizer.steps
+    return {int(steps[int(record)]): row for row, record in enumerate(p.records)}
+
+
+def _replica_divergence(reference: ParamRecord, replica: ParamRecord, ulps: float):
+    """(step, row in the replica, kind, max abs diff, diff/tolerance) where the replica first differs from the
+    reference at a step both recorded (the parameter before the step, then after it), or None."""
+    ref_rows, rep_rows = _rows_by_step(reference), _rows_by_step(replica)
+    kinds = [k for k in (schema.KIND_PARAM, schema.KIND_PARAM_AFTER) if k in reference.kinds and k in replica.kinds]
+    eps = storage_eps(replica.storage_dtype(schema.KIND_PARAM_AFTER) if kinds else None)
+    for step in sorted(set(ref_rows) & set(rep_rows)):
+        for kind in kinds:
+            expected = reference.read(kind, ref_rows[step]).double()
+            got = replica.read(kind, rep_rows[step]).double()
+            err = elementwise_error(got, expected)
+            if err.numel() == 0:
+                continue
+            ratio = float((err / tolerance(expected, 0.0, eps=eps, ulps=ulps, rtol=0.0)).max())
+            if ratio > 1.0:
+                return step, rep_rows[step], kind, float(err.max()), ratio
+    return None
+
+
+def replica_checks(ranks: dict, *, ulps: float | None = None) -> list[tuple[int, Check]]:
+    """Replica agreement of a job's rank files ({rank: Run}): every parameter that several ranks hold whole is
+    compared, at each step they all recorded, with the copy of the lowest rank holding it (rank 0 normally).
+
+    Returns (rank, mismatch Check) for the first step at which each replica of each parameter diverges; nothing
+    for replicas that agree, and nothing for sharded or partitioned parameters (each rank holds its own part)."""
+    ulps = REPLICA_ULPS if ulps is None else ulps
+    found = []
+    by_param: dict[tuple[int, str], dict[int, ParamRecord]] = {}
+    for rank in sorted(ranks):
+        for opt in ranks[rank].optimizers:
+            for name, p in opt.param_records.items():
+                by_param.setdefault((opt.index, name), {})[rank] = p
+    for (opt_index, name), held in by_param.items():
+        if not _replicated(list(held.values())):
+            continue
+        reference_rank, *replica_ranks = sorted(held)
+        for rank in replica_ranks:
+            divergence = _replica_divergence(held[reference_rank], held[rank], ulps)
+            if divergence is None:
+                continue
+            step, row, kind, max_diff, ratio = divergence
+            when = "before" if kind == schema.KIND_PARAM else "after"
+            check = Check(optimizer=opt_index, param=name, record=int(held[rank].records[row]), step=step,
+                          status="mismatch", max_abs_err=max_diff, err_to_tol=ratio,
+                          note=f"replica on rank {rank} differs from rank {reference_rank} at step {step} (max abs "
+                               f"diff {max_diff:.3g} in the parameter {when} the step)")
+            found.append((rank, check))
+    return found

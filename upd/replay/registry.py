@@ -147,6 +147,9 @@ class ReplayRule:
     torch_versions: tuple = (None, None)  # [min, max) torch versions whose optimizer this rule reproduces
     state: dict = field(default_factory=dict)  # declared state entries -> initialiser or KeptWhen
     counts_steps: bool = False  # the optimizer keeps a step counter in state["step"]
+    # The math reads the whole tensor (row/column means, norms, matrix products): a rank's shard of a distributed
+    # parameter cannot be replayed on its own.
+    needs_whole_tensor: bool = False
 
     @property
     def function_name(self) -> str:
@@ -240,7 +243,7 @@ def _covers(rule: ReplayRule, torch_version: str | None) -> bool:
 
 def register(*optimizer_classes, rtol: float = DEFAULT_RTOL, ulps: float = DEFAULT_ULPS,
              torch_min: str | None = None, torch_below: str | None = None, state: dict | None = None,
-             counts_steps: bool = False):
+             counts_steps: bool = False, needs_whole_tensor: bool = False):
     """Decorator: register ``fn`` as the replay rule of the given optimizer classes (classes or 'module.Class').
 
         @upd.replay.register(MyOptimizer)
@@ -253,6 +256,9 @@ def register(*optimizer_classes, rtol: float = DEFAULT_RTOL, ulps: float = DEFAU
     ``counts_steps=True``: the optimizer keeps a step counter in ``state["step"]``; the rule gets it as ``step``.
     ``torch_min`` / ``torch_below`` limit the rule to files written by those torch versions, for optimizers whose
     math changed between versions: ``verify`` picks the rule matching the torch version recorded in the file.
+    ``needs_whole_tensor=True``: the math is not elementwise (it reads norms, row or column statistics, or the
+    whole matrix): ``verify`` skips the rule on a rank's shard of a distributed parameter, saying so, instead of
+    replaying the shard as if it were the whole tensor.
     Registering again for the same class and versions replaces the earlier rule.
     """
     if not optimizer_classes:
@@ -263,7 +269,8 @@ def register(*optimizer_classes, rtol: float = DEFAULT_RTOL, ulps: float = DEFAU
         for cls in optimizer_classes:
             name = class_path(cls)
             rule = ReplayRule(name=name, fn=fn, rtol=rtol, ulps=ulps, torch_versions=(torch_min, torch_below),
-                              state=dict(state or {}), counts_steps=counts_steps)
+                              state=dict(state or {}), counts_steps=counts_steps,
+                              needs_whole_tensor=needs_whole_tensor)
             others = [r for r in _RULES.get(name, []) if r.torch_versions != rule.torch_versions]
             _RULES[name] = [rule] + others
         return fn

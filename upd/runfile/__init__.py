@@ -5,8 +5,10 @@ Nothing outside this package names an HDF5 group, dataset or attribute: ask ``sc
 - ``schema``: the layout, declared once (docs/format.md states the same); ``encoding``: JSON and dtypes;
 - writing: ``record`` (the writer's input), ``writer``, ``async_writer``; ``livelock`` (reading while writing);
 - reading: ``errors`` (RunFileError, the I/O edge), ``guards`` (HDF5 byte-level checks), ``validate`` (structure
-  checks against the schema), ``reader`` (Run, OptimizerRun, ParamRecord), ``stats_table``.
+  checks against the schema), ``reader`` (Run, OptimizerRun, ParamRecord), ``stats_table``;
+- a distributed job: ``ranks`` (which file each rank writes), ``job`` (Job: the rank files read as one run).
 """
+from .job import Job
 from .reader import OptimizerRun, ParamRecord, Run, RunFileError, open_run
 
-__all__ = ["Run", "OptimizerRun", "ParamRecord", "RunFileError", "open_run"]
+__all__ = ["Run", "Job", "OptimizerRun", "ParamRecord", "RunFileError", "open_run"]

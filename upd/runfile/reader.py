@@ -19,7 +19,7 @@ import torch
 
 from .. import lifetime
 from . import encoding, livelock, schema, validate
-from ..analyzer.ratio_table import ratios_frame, ratios_from_stats
+from ..analyzer.ratio_table import ratios_table
 from .errors import Reading, RunFileError, phrase
 from .guards import GuardedFile
 from .stats_table import committed_stats_rows, stats_frame, stats_param_meta
@@ -31,6 +31,7 @@ __all__ = ["Run", "OptimizerRun", "ParamRecord", "RunFileError", "open_run"]
 DEFAULT_BLOCK_BYTES = 64 * 1024 * 1024
 
 DUMP_COLUMNS = ["optimizer", "reason", "trigger_step", "steps", "wall_time"]
+DISTRIBUTED = "distributed"  # the root meta's entry of a file written by one rank of a job (docs/format.md)
 
 _HPARAMS = f"{schema.RECORDS}/{schema.HPARAMS}"
 _CLOSURE_LOSSES = f"{schema.RECORDS}/{schema.CLOSURE_LOSSES}"
@@ -155,25 +156,7 @@ class ParamRecord:
             return self._decode(self._group[kind], rows, torch_dtype)
 
     def _clip(self, rows):
-        if isinstance(rows, slice):
-            start, stop, step = rows.indices(self.num_rows)
-            return slice(start, stop, step)
-        if isinstance(rows, (int, np.integer)):
-            if not -self.num_rows <= rows < self.num_rows:
-                raise IndexError(f"{self.name}: row {rows} out of range ({self.num_rows} rows)")
-            return int(rows) % self.num_rows
-        index = np.asarray(rows)
-        if index.dtype.kind == "b":
-            if index.shape != (self.num_rows,):
-                raise IndexError(f"{self.name}: boolean row mask of shape {index.shape}, expected ({self.num_rows},)")
-            index = np.nonzero(index)[0]
-        if index.ndim != 1 or (len(index) and index.dtype.kind not in "iu"):
-            raise IndexError(f"{self.name}: rows must be an int, a slice or a 1-D sequence of ints")
-        if len(index) and (index.min() < 0 or index.max() >= self.num_rows):
-            raise IndexError(f"{self.name}: rows out of range ({self.num_rows} rows)")
-        if (np.diff(index) <= 0).any():
-            raise IndexError(f"{self.name}: a sequence of rows must be increasing")
-        return index.astype(np.intp)
+        return clip_rows(rows, self.num_rows, self.name)
 
     def state_at(self, row: int) -> dict[str, torch.Tensor]:
         """Optimizer state (before the step) at one row: only the keys that were present."""
@@ -199,6 +182,13 @@ class ParamRecord:
                     out[key] = self._decode(ds, row, self._state_dtypes.get(key))
         return out
 
+    def state_shape(self, key: str) -> tuple | None:
+        """The shape state `key` was stored with at each row (``()`` for a scalar such as Adam's ``step``, which
+        ``state_at`` returns with shape (1,)); None when it was never stored."""
+        with self._reading(f"the shape of state {key!r}"):
+            state = self._group[schema.STATE_GROUP]
+            return tuple(state[key].shape[1:]) if key in self._state_keys and key in state else None
+
     def storage_dtype(self, kind: str = schema.KIND_PARAM) -> str | None:
         if kind in self._storage:
             return self._storage[kind]
@@ -217,6 +207,30 @@ class ParamRecord:
 
     def __repr__(self) -> str:
         return f"<ParamRecord {self.name} {list(self.shape)} {self.num_rows} rows>"
+
+
+def clip_rows(rows, num_rows: int, name: str):
+    """Rows as ``ParamRecord.read`` takes them (an int, a slice, a boolean mask or an increasing sequence of ints)
+    checked against `num_rows`: an int, a slice or an index array. IndexError names the parameter."""
+    if isinstance(rows, slice):
+        start, stop, step = rows.indices(num_rows)
+        return slice(start, stop, step)
+    if isinstance(rows, (int, np.integer)):
+        if not -num_rows <= rows < num_rows:
+            raise IndexError(f"{name}: row {rows} out of range ({num_rows} rows)")
+        return int(rows) % num_rows
+    index = np.asarray(rows)
+    if index.dtype.kind == "b":
+        if index.shape != (num_rows,):
+            raise IndexError(f"{name}: boolean row mask of shape {index.shape}, expected ({num_rows},)")
+        index = np.nonzero(index)[0]
+    if index.ndim != 1 or (len(index) and index.dtype.kind not in "iu"):
+        raise IndexError(f"{name}: rows must be an int, a slice or a 1-D sequence of ints")
+    if len(index) and (index.min() < 0 or index.max() >= num_rows):
+        raise IndexError(f"{name}: rows out of range ({num_rows} rows)")
+    if (np.diff(index) <= 0).any():
+        raise IndexError(f"{name}: a sequence of rows must be increasing")
+    return index.astype(np.intp)
 
 
 def _rows_text(rows) -> str:
@@ -286,6 +300,12 @@ class OptimizerRun:
             raise RunFileError(f"{self.run.path}: optimizer {self.index}: {_CLOSURE_LOSSES}[{record}] is not a "
                                f"JSON list or null")
         return value
+
+    def committed_stats_steps(self) -> np.ndarray:
+        """The optimizer step of each committed row of the statistics table (empty without one)."""
+        with self._reading("the statistics table"):
+            rows = committed_stats_rows(self)
+            return self._group[schema.STATS][schema.COMMIT_COLUMN][:rows] if rows else np.zeros(0, np.int64)
 
     # Names before the naming convention (see Run): kept one release, with a DeprecationWarning.
     @property
@@ -430,16 +450,7 @@ class Run:
                                            "kinds", "state"])
 
     def _steps_table(self) -> pd.DataFrame:
-        frames = []
-        for opt in self.optimizers:
-            df = pd.DataFrame({"optimizer": opt.index, "record": np.arange(opt.num_records), "step": opt.steps,
-                               "backward_pass": opt.backward_passes, "wall_time": opt.wall_times})
-            lrs = opt.learning_rates
-            for g in range(lrs.shape[1] if lrs.ndim == 2 else 0):
-                df[f"lr_group{g}"] = lrs[:, g]
-            frames.append(df)
-        return pd.concat(frames, ignore_index=True) if frames else pd.DataFrame(
-            columns=["optimizer", "record", "step", "backward_pass", "wall_time"])
+        return steps_table(self.optimizers)
 
     @property
     def size_bytes(self) -> int:
@@ -451,27 +462,16 @@ class Run:
         """What the file holds, as plain data (what `upd info` prints)."""
         optimizers = []
         for opt in self.optimizers:
-            steps = opt.steps
             with self._reading(f"the statistics table of optimizer {opt.index}"):
                 stats_steps, stats_meta = committed_stats_rows(opt), stats_param_meta(opt)
-            optimizers.append({
-                "index": opt.index, "class": opt.class_name, "records": opt.num_records,
-                "stats_steps": stats_steps,
-                "first_step": int(steps[0]) if len(steps) else None,
-                "last_step": int(steps[-1]) if len(steps) else None,
-                "param_groups": int(opt.learning_rates.shape[1]) if opt.learning_rates.ndim == 2 else 0,
-                "defaults": opt.meta.get("defaults", {}),
-                "params": [{"name": p.name, "shape": list(p.shape), "dtype": p.dtype, "group": p.param_group,
-                            "rows": p.num_rows, "kinds": p.kinds, "state": p.state_keys,
-                            "stored_as": p.storage_dtype()} for p in opt.param_records.values()]
-                + [{"name": name, "shape": list(meta.get("shape") or []), "dtype": meta.get("dtype"),
-                    "group": meta.get("group"), "rows": 0, "kinds": [], "state": [], "stored_as": None}
-                   for name, meta in stats_meta.items() if name not in opt.param_records],
-            })
-        return {"path": self.path, "live": self.live, "size_bytes": self.size_bytes,
+            optimizers.append(describe_optimizer(opt, stats_steps, stats_meta))
+        desc = {"path": self.path, "live": self.live, "size_bytes": self.size_bytes,
                 "format_version": self.format_version, "torch_version": self.torch_version,
                 "upd_version": self.meta.get("upd_version"), "created_unix": self.meta.get("created_unix"),
                 "options": self.options, "params_not_optimized": self.params_not_optimized, "optimizers": optimizers}
+        if isinstance(self.meta.get(DISTRIBUTED), dict):  # one rank's file of a distributed job
+            desc[DISTRIBUTED] = self.meta[DISTRIBUTED]
+        return desc
 
     # -- analysis ---------------------------------------------------------------------------------------------
     def ratios(self, block_bytes: int = DEFAULT_BLOCK_BYTES, source: str = "auto") -> pd.DataFrame:
@@ -484,22 +484,13 @@ class Run:
         loaded whole); "stats" reads the per-step statistics table; "auto" (default) uses, per optimizer, whichever
         covers more steps (statistics every step beat full tensors every 500th).
         """
-        if source not in ("auto", "tensors", "stats"):
-            raise ValueError(f"source must be 'auto', 'tensors' or 'stats', got {source!r}")
         with self._reading("the statistics table"):
-            use_stats = {opt.index for opt in self.optimizers if committed_stats_rows(opt) and (
-                source == "stats" or (source == "auto" and committed_stats_rows(opt) > opt.num_records))}
-        parts = []
-        if len(use_stats) < len(self.optimizers):
-            tensors = ratios_frame(self, block_bytes)
-            parts.append(tensors[~tensors["optimizer"].isin(use_stats)])
-        if use_stats:
+            stats_rows = {opt.index: committed_stats_rows(opt) for opt in self.optimizers}
+
+        def stats_table() -> pd.DataFrame:
             with self._reading("the statistics table"):
-                stats = stats_frame(self)
-            numel = {(r.optimizer, r.param): r.numel for r in self._params_table().itertuples()}
-            parts.append(ratios_from_stats(stats[stats["optimizer"].isin(use_stats)], numel))
-        parts = [p for p in parts if len(p)]
-        return pd.concat(parts, ignore_index=True) if parts else ratios_frame(self, block_bytes)
+                return stats_frame(self)
+        return ratios_table(self, block_bytes, source, stats_rows, stats_table)
 
     def _dump_entries(self) -> list[dict]:
         check = self._validator()
@@ -540,6 +531,40 @@ class Run:
         return f"<upd.Run {self.path!r}: " + ", ".join(repr(o) for o in self.optimizers) + ">"
 
 
+def steps_table(optimizers) -> pd.DataFrame:
+    """``steps()``: one row per committed record of each optimizer (a Run's, or a Job's aligned ones)."""
+    frames = []
+    for opt in optimizers:
+        df = pd.DataFrame({"optimizer": opt.index, "record": np.arange(opt.num_records), "step": opt.steps,
+                           "backward_pass": opt.backward_passes, "wall_time": opt.wall_times})
+        lrs = opt.learning_rates
+        for g in range(lrs.shape[1] if lrs.ndim == 2 else 0):
+            df[f"lr_group{g}"] = lrs[:, g]
+        frames.append(df)
+    return pd.concat(frames, ignore_index=True) if frames else pd.DataFrame(
+        columns=["optimizer", "record", "step", "backward_pass", "wall_time"])
+
+
+def describe_optimizer(opt, stats_steps: int, stats_meta: dict) -> dict:
+    """One optimizer's entry of ``describe()`` (a Run's, or a Job's): its records, groups and parameters;
+    stats_meta: the parameters of its statistics table, listed too when they have no full records."""
+    steps = opt.steps
+    return {
+        "index": opt.index, "class": opt.class_name, "records": opt.num_records,
+        "stats_steps": stats_steps,
+        "first_step": int(steps[0]) if len(steps) else None,
+        "last_step": int(steps[-1]) if len(steps) else None,
+        "param_groups": int(opt.learning_rates.shape[1]) if opt.learning_rates.ndim == 2 else 0,
+        "defaults": opt.meta.get("defaults", {}),
+        "params": [{"name": p.name, "shape": list(p.shape), "dtype": p.dtype, "group": p.param_group,
+                    "rows": p.num_rows, "kinds": p.kinds, "state": p.state_keys,
+                    "stored_as": p.storage_dtype()} for p in opt.param_records.values()]
+        + [{"name": name, "shape": list(meta.get("shape") or []), "dtype": meta.get("dtype"),
+            "group": meta.get("group"), "rows": 0, "kinds": [], "state": [], "stored_as": None}
+           for name, meta in stats_meta.items() if name not in opt.param_records],
+    }
+
+
 def _live_timeout(given: float | None) -> float:
     if given is not None:
         return float(given)
@@ -549,8 +574,13 @@ def _live_timeout(given: float | None) -> float:
         return 30.0
 
 
-def open_run(path, live_timeout: float | None = None) -> Run:
-    """Open a recorded run for reading. Raises RunFileError (one clear line) for anything that is not a usable run.
+def open_run(path, live_timeout: float | None = None):
+    """Open a recorded run for reading: a ``Run``, or a ``Job`` for the path of a distributed job. Raises
+    RunFileError (one clear line) for anything that is not a usable run.
+
+    A job's path names no file itself: each recording rank wrote its own, named from it (``runfile.ranks``). When
+    `path` does not exist but such rank files do, the returned ``upd.runfile.job.Job`` reads them all as one run
+    (see docs/format.md, "Distributed jobs"); a rank's file can also be opened on its own, as a plain Run.
 
     A run that is still being written is read from a copy taken between two records (``run.live`` is True): it
     holds every record committed so far and never a half-written one. Waiting for the writer to finish the record
@@ -558,5 +588,9 @@ def open_run(path, live_timeout: float | None = None) -> Run:
     see records committed later. The copy lives in the temporary folder (``TMPDIR``) until
     the run is closed.
     """
-    return Run(path, live_timeout=live_timeout)
+    if not os.path.exists(os.fspath(path)):
+        from .job import Job, is_job_path  # job.py builds on this module
 
+        if is_job_path(path):
+            return Job(path, live_timeout=live_timeout)
+    return Run(path, live_timeout=live_timeout)

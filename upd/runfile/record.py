@@ -6,16 +6,27 @@ stays inside the recorder. Every field here ends up in the file.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 
 import torch
 
 from .encoding import dtype_name
 
 
+@dataclass(frozen=True)
+class ShardLayout:
+    """Where a rank's part of a distributed parameter (a DTensor) sits in the whole tensor. Its field names are the
+    metadata keys a sharded parameter's ``meta`` gains (docs/format.md, "Distributed jobs")."""
+
+    global_shape: list  # the whole (logical) tensor's shape
+    offset: list  # the global index of the local part's first element along each dimension
+    placements: list  # repr() of each placement over the mesh dimensions, e.g. "Shard(dim=0)", "Replicate()"
+    mesh_shape: list  # the device mesh's shape
+
+
 @dataclass
 class ParamSnapshot:
-    """What one parameter looked like to the optimizer at one record (CPU copies)."""
+    """What one parameter looked like to the optimizer at one record (CPU copies; of a DTensor, the local part)."""
 
     name: str
     group: int
@@ -24,14 +35,26 @@ class ParamSnapshot:
     grad: torch.Tensor | None = None
     state: dict = field(default_factory=dict)  # key -> CPU tensor (0-d for scalars)
     param_after: torch.Tensor | None = None
+    shard: ShardLayout | None = None  # a DTensor parameter: where the stored local part sits in the whole tensor
 
 
 def param_meta(snap: ParamSnapshot, like: torch.Tensor | None) -> dict:
     """The metadata the file keeps of a parameter (its group's ``meta`` attribute, the statistics table's
-    ``param_meta``): its name and place in the optimizer, and the shape and dtype of `like` (the parameter)."""
-    return {"name": snap.name, "group": snap.group, "index_in_group": snap.index_in_group,
+    ``param_meta``): its name and place in the optimizer, the shape and dtype of `like` (the parameter as stored:
+    a DTensor's local part), and, for a DTensor, its ``ShardLayout``."""
+    meta = {"name": snap.name, "group": snap.group, "index_in_group": snap.index_in_group,
             "shape": list(like.shape) if like is not None else None,
             "dtype": dtype_name(like.dtype) if like is not None else None}
+    if snap.shard is not None:
+        meta.update(asdict(snap.shard))
+    return meta
+
+
+def holds_part(meta: dict) -> bool:
+    """Whether a parameter's stored tensors are a part of a larger tensor (a rank's shard of a DTensor): its
+    metadata's global shape differs from its stored shape. A rank's whole copy (Replicate) is not a part."""
+    global_shape = meta.get("global_shape")
+    return global_shape is not None and list(global_shape) != list(meta.get("shape") or [])
 
 
 @dataclass

@@ -67,7 +67,7 @@ def _chunks(shape: tuple) -> tuple:
     inner = list(shape)
     while inner and int(np.prod(inner)) > limit:
         inner[0] = max(1, inner[0] // 2)
-    return (1, *inner)
+    return (1, *(max(1, d) for d in inner))  # HDF5 chunks are never empty: a rank's empty shard has a 0 dimension
 
 
 class RunWriter:
@@ -195,8 +195,9 @@ class RunWriter:
             return grp[name]
         np_dtype, stored_as = encoding.storage_numpy_dtype(tensor.dtype, storage or self.storage_dtype)
         shape = tuple(tensor.shape)
-        ds = grp.create_dataset(name, shape=(rows, *shape), maxshape=(None, *shape), dtype=np_dtype,
-                                chunks=_chunks(shape) if shape else (1024,),
+        # A 0 dimension (a rank's empty shard) must be resizable for its chunk of 1 to fit; it is never resized.
+        ds = grp.create_dataset(name, shape=(rows, *shape), maxshape=(None, *(d or None for d in shape)),
+                                dtype=np_dtype, chunks=_chunks(shape) if shape else (1024,),
                                 compression=self.compression if shape else None)
         ds.attrs[schema.ATTR_TORCH_DTYPE] = stored_as
         ds.attrs[schema.ATTR_SOURCE_DTYPE] = encoding.dtype_name(tensor.dtype)

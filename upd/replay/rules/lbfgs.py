@@ -11,7 +11,7 @@ import torch
 from ..registry import NotReplayable, register
 
 
-@register(torch.optim.LBFGS)
+@register(torch.optim.LBFGS, needs_whole_tensor=True)
 def lbfgs(param, grad, state, group, step):
     search = group.get("line_search_fn") or "no line search"
     raise NotReplayable(

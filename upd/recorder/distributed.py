@@ -1,0 +1,200 @@
+"""Where a recorder sits in a torch.distributed job: which ranks record, which file each writes, and what kind of
+parallelism the job uses.
+
+The same ``upd.record(path, ...)`` call runs on every rank. Each recording rank writes its own file (named by
+``upd.runfile.ranks``), so no rank waits on another and no collective enters the training step; everything here is
+decided locally from the process group, the model and the optimizer. Replicated training (DDP, or a model copied to
+every rank) records on rank 0 alone by default, into ``path`` itself: the replicas are identical.
+"""
+from __future__ import annotations
+
+import os
+import sys
+from dataclasses import dataclass
+
+import torch
+
+from ..runfile.ranks import rank_files, rank_path
+from ..runfile.reader import DISTRIBUTED as META_KEY  # the root meta's entry (docs/format.md, "Distributed jobs")
+from .snapshots import dtensor_class
+
+ALL_RANKS = "all"
+
+
+def _module_class(module: str, name: str):
+    """A class of a torch.distributed module when that module is loaded, else None (nothing can be an instance of
+    it then, and importing it would pull in torch.distributed for every single-process run)."""
+    return getattr(sys.modules.get(module), name, None)
+
+
+def ddp_class():
+    return _module_class("torch.nn.parallel.distributed", "DistributedDataParallel")
+
+
+def zero_class():
+    return _module_class("torch.distributed.optim.zero_redundancy_optimizer", "ZeroRedundancyOptimizer")
+
+
+def _isinstance(value, cls) -> bool:
+    return cls is not None and isinstance(value, cls)
+
+
+def process_group() -> tuple[int, int] | None:
+    """(rank, world size) of the initialised default process group when it has more than one process, else None."""
+    if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
+        return None
+    world = torch.distributed.get_world_size()
+    return (torch.distributed.get_rank(), world) if world > 1 else None
+
+
+def unwrap_model(model):
+    """The module whose parameter names the run uses: a DistributedDataParallel wrapper's ``.module`` (its own names
+    carry a ``module.`` prefix that is no part of the model)."""
+    return model.module if _isinstance(model, ddp_class()) else model
+
+
+def local_optimizer(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+    """The optimizer that steps this rank's parameters: a ZeroRedundancyOptimizer's local ``.optim`` (it steps this
+    rank's partition; the wrapper only broadcasts the results), else the optimizer itself."""
+    if not _isinstance(optimizer, zero_class()):
+        return optimizer
+    local = getattr(optimizer, "optim", None)
+    if not isinstance(local, torch.optim.Optimizer):
+        # overlap_with_ddp=True builds a functional local optimizer later, inside DDP's communication hook: it has
+        # no step hooks to attach to.
+        raise TypeError("a ZeroRedundancyOptimizer with overlap_with_ddp=True cannot be recorded (its local "
+                        "optimizer is functional and steps inside DDP's communication hook)")
+    return local
+
+
+def global_names(optimizer: torch.optim.Optimizer) -> dict[int, str]:
+    """id(parameter) -> ``group{g}.param{i}`` by the parameter's place in the optimizer the user built: a ZeRO local
+    optimizer holds only this rank's partition, so its own places would give the same name to different
+    parameters on different ranks. Empty for any other optimizer (its own places are the global ones)."""
+    if not _isinstance(optimizer, zero_class()):
+        return {}
+    names = {}
+    for g, group in enumerate(optimizer.param_groups):
+        given = group.get("param_names") or []
+        for i, p in enumerate(group["params"]):
+            names[id(p)] = given[i] if i < len(given) else f"group{g}.param{i}"
+    return names
+
+
+def _parameters(model, optimizers) -> list:
+    params = list(model.parameters()) if model is not None else []
+    return params + [p for opt in optimizers for g in opt.param_groups for p in g["params"]]
+
+
+def parallelism(model, optimizers) -> str:
+    """How the job spreads the training: "fsdp" (a DTensor parameter), "zero" (a ZeroRedundancyOptimizer), "ddp"
+    (a DistributedDataParallel model), else "replicated" (every rank holds and steps the whole model)."""
+    dtensor = dtensor_class()
+    if dtensor is not None and any(isinstance(p, dtensor) for p in _parameters(model, optimizers)):
+        return "fsdp"
+    if any(_isinstance(opt, zero_class()) for opt in optimizers):
+        return "zero"
+    if _isinstance(model, ddp_class()):
+        return "ddp"
+    return "replicated"
+
+
+def is_split(model, optimizers) -> bool:
+    """Whether each rank holds or steps only a part of the model (then every rank must record for the whole):
+    a DTensor parameter sharded along some mesh dimension, or a ZeroRedundancyOptimizer's partitions."""
+    if any(_isinstance(opt, zero_class()) for opt in optimizers):
+        return True
+    dtensor = dtensor_class()
+    if dtensor is None:
+        return False
+    return any(isinstance(p, dtensor) and any(pl.is_shard() for pl in p.placements)
+               for p in _parameters(model, optimizers))
+
+
+def recording_ranks(ranks, world_size: int, split: bool):
+    """``ranks=`` resolved: "all" or the sorted list of ranks that record. None picks every rank for split
+    training and rank 0 for replicated training."""
+    if ranks is None:
+        return ALL_RANKS if split else [0]
+    if ranks == ALL_RANKS:
+        return ALL_RANKS
+    if isinstance(ranks, int) and not isinstance(ranks, bool):
+        if not 0 <= ranks < world_size:
+            raise ValueError(f"ranks={ranks} is not a rank of this job (world size {world_size})")
+        return [ranks]
+    raise ValueError(f"ranks= takes None (automatic), 'all' or one rank number, got {ranks!r}")
+
+
+def check_ranks_option(ranks) -> None:
+    """ranks= outside a distributed job: checked for its type all the same, so a typo fails on one process too."""
+    if ranks is None or ranks == ALL_RANKS or (isinstance(ranks, int) and not isinstance(ranks, bool) and ranks >= 0):
+        return
+    raise ValueError(f"ranks= takes None (automatic), 'all' or one rank number, got {ranks!r}")
+
+
+@dataclass(frozen=True)
+class RankSetup:
+    """This process's part in a distributed recording."""
+
+    rank: int
+    world_size: int
+    recording_ranks: object  # "all" or a list of ranks
+    parallelism: str
+    job_path: str
+
+    @property
+    def records(self) -> bool:
+        return self.recording_ranks == ALL_RANKS or self.rank in self.recording_ranks
+
+    @property
+    def single_file(self) -> bool:
+        """Only rank 0 records: it writes the job's path itself, a plain single-file run."""
+        return self.recording_ranks == [0]
+
+    @property
+    def file(self) -> str:
+        """The file this rank writes."""
+        return self.job_path if self.single_file else rank_path(self.job_path, self.rank, self.world_size)
+
+    def meta(self) -> dict:
+        """The root metadata's "distributed" entry (docs/format.md)."""
+        return {"rank": self.rank, "world_size": self.world_size, "recording_ranks": self.recording_ranks,
+                "parallelism": self.parallelism, "job_path": self.job_path}
+
+
+def setup(path: str, model, optimizers, ranks) -> RankSetup | None:
+    """This process's RankSetup in an initialised process group of several processes, else None (``ranks=`` is
+    only checked then). `model` and `optimizers` as the user passed them (wrappers included)."""
+    group = process_group()
+    if group is None:
+        check_ranks_option(ranks)
+        return None
+    rank, world = group
+    return RankSetup(rank=rank, world_size=world,
+                     recording_ranks=recording_ranks(ranks, world, is_split(model, optimizers)),
+                     parallelism=parallelism(model, optimizers), job_path=os.fspath(path))
+
+
+def layout_conflict(rank_setup: RankSetup) -> str | None:
+    """Why this rank must not write its file next to the files already there, or None.
+
+    A job's files are found from its path alone (``upd.runfile.ranks.rank_files``): rank files of another world
+    size, or a single-file run where rank files go (or the reverse), would leave a job that reads as the other
+    one or not at all. Resuming cannot continue them either: each rank's file holds its own part of the job."""
+    path = rank_setup.job_path
+    try:
+        world, files = rank_files(path)
+    except ValueError as exc:
+        return str(exc)
+    if files and world != rank_setup.world_size:
+        return (f"the existing rank files of {path} ({', '.join(os.path.basename(f) for f in files.values())}) "
+                f"are of a job of {world} processes, this job has {rank_setup.world_size}; a job resumes on the "
+                "same number of processes only. Record to a new path, or move those files away")
+    if files and rank_setup.single_file:
+        return (f"rank files of an earlier job of {world} processes exist for {path} "
+                f"({', '.join(os.path.basename(f) for f in files.values())}); this job records on rank 0 only, "
+                "into the path itself. Record to a new path, or move those files away")
+    if not rank_setup.single_file and os.path.exists(path):
+        return (f"{path} holds a run recorded on one rank; this job records on several ranks, into one file each, "
+                "which that file would hide from readers. Record to a new path, or move it away")
+    return None
