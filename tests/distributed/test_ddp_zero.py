@@ -118,7 +118,7 @@ def test_ddp_records_on_rank_0_into_the_path_itself(job):
     with upd.open_run(path) as run:
         assert list(run.optimizers[0].param_records) == NAMES  # through DDP: no "module." prefix
         assert run.params_not_optimized == []
-        assert run.meta["distributed"] == {"rank": 0, "world_size": 2, "recording_ranks": [0],
+        assert run.meta[schema.META_DISTRIBUTED] == {"rank": 0, "world_size": 2, "recording_ranks": [0],
                                            "parallelism": "ddp", "job_path": path}
         assert list(run.optimizers[0].steps) == list(range(STEPS))
         report = upd.verify(run)
@@ -135,8 +135,8 @@ def test_ddp_ranks_all_records_every_replica_and_they_agree(job):
     assert world == 2 and list(files) == [0, 1]
     for rank, f in files.items():
         with upd.open_run(f) as run:  # a rank's file on its own
-            assert run.meta["distributed"]["rank"] == rank
-            assert run.meta["distributed"]["recording_ranks"] == "all"
+            assert run.meta[schema.META_DISTRIBUTED]["rank"] == rank
+            assert run.meta[schema.META_DISTRIBUTED]["recording_ranks"] == "all"
             assert list(run.optimizers[0].param_records) == NAMES
             assert upd.verify(run).exit_code == EXIT_MATCH
     with upd.open_run(path) as job:  # the job: each parameter once, held whole by both ranks
@@ -179,7 +179,7 @@ def test_replicas_that_drift_apart_are_caught_though_each_replays(job):
     _, files = rank_files(os.path.join(folder, "drift.h5"))
     for f in files.values():
         with upd.open_run(f) as run:
-            assert run.meta["distributed"]["parallelism"] == "replicated"
+            assert run.meta[schema.META_DISTRIBUTED]["parallelism"] == "replicated"
             assert upd.verify(run).exit_code == EXIT_MATCH
     report = upd.verify(os.path.join(folder, "drift.h5"))
     assert report.exit_code == EXIT_MISMATCH
@@ -203,7 +203,7 @@ def test_zero_each_rank_records_its_partition(job):
             assert names == results[rank]["zero"]  # what this rank's local optimizer steps
             assert run.optimizers[0].class_name == "torch.optim.Adam"
             assert run.params_not_optimized == []  # the other partitions belong to the job's optimizer too
-            assert run.meta["distributed"]["parallelism"] == "zero"
+            assert run.meta[schema.META_DISTRIBUTED]["parallelism"] == "zero"
             report = upd.verify(run)
             assert report.exit_code == EXIT_MATCH, report.summary()
             assert report.matched == len(names) * STEPS
@@ -275,7 +275,7 @@ def test_a_rank_killed_mid_run_leaves_the_other_files_intact(tmp_path):
     assert processes[0].exitcode == 0
     _, files = rank_files(str(tmp_path / "killed.h5"))
     with upd.open_run(files[0]) as survivor:
-        assert survivor.meta["distributed"]["rank"] == 0
+        assert survivor.meta[schema.META_DISTRIBUTED]["rank"] == 0
         assert list(survivor.optimizers[0].steps) == list(range(KILLED_AFTER))
         assert upd.verify(survivor).exit_code == EXIT_MATCH
     with upd.open_run(files[1]) as killed:  # readable up to its last committed record

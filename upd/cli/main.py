@@ -18,6 +18,7 @@ from ..integrations.tensorboard import export_ratios
 from ..replay import ReplayRuleError, load_plugins
 from ..replay.engine import EXIT_RULE_FAILED, EXIT_UNUSABLE, verify as verify_run
 from ..replay.registry import check_tolerances
+from ..runfile import schema
 from ..runfile.reader import RunFileError, open_run
 
 EXIT_CODES = """\b
@@ -94,7 +95,7 @@ def info(run, as_json):
         f"torch-upd job of {job['world_size']} processes ({job['parallelism'] or '?'}), {len(job['ranks'])} rank files"
     click.echo(f"{desc['path']}: {kind}, format v{desc['format_version']}, {desc['size_bytes'] / 1e6:.2f} MB"
                + (", being written (this shows the records committed so far)" if desc["live"] else ""))
-    rank_of = desc.get("distributed")
+    rank_of = desc.get(schema.META_DISTRIBUTED)
     if rank_of:
         click.echo(f"  rank {rank_of.get('rank')} of a job of {rank_of.get('world_size')} processes "
                    f"({rank_of.get('parallelism')}): this file holds that rank's part; the whole job: "

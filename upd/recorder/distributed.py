@@ -14,11 +14,10 @@ from dataclasses import dataclass
 
 import torch
 
+from ..runfile import schema
 from ..runfile.ranks import rank_files, rank_path
-from ..runfile.reader import DISTRIBUTED as META_KEY  # the root meta's entry (docs/format.md, "Distributed jobs")
 from .snapshots import dtensor_class
 
-ALL_RANKS = "all"
 
 
 def _module_class(module: str, name: str):
@@ -91,12 +90,12 @@ def parallelism(model, optimizers) -> str:
     (a DistributedDataParallel model), else "replicated" (every rank holds and steps the whole model)."""
     dtensor = dtensor_class()
     if dtensor is not None and any(isinstance(p, dtensor) for p in _parameters(model, optimizers)):
-        return "fsdp"
+        return schema.FSDP
     if any(_isinstance(opt, zero_class()) for opt in optimizers):
-        return "zero"
+        return schema.ZERO
     if _isinstance(model, ddp_class()):
-        return "ddp"
-    return "replicated"
+        return schema.DDP
+    return schema.REPLICATED
 
 
 def is_split(model, optimizers) -> bool:
@@ -115,9 +114,9 @@ def recording_ranks(ranks, world_size: int, split: bool):
     """``ranks=`` resolved: "all" or the sorted list of ranks that record. None picks every rank for split
     training and rank 0 for replicated training."""
     if ranks is None:
-        return ALL_RANKS if split else [0]
-    if ranks == ALL_RANKS:
-        return ALL_RANKS
+        return schema.ALL_RANKS if split else [0]
+    if ranks == schema.ALL_RANKS:
+        return schema.ALL_RANKS
     if isinstance(ranks, int) and not isinstance(ranks, bool):
         if not 0 <= ranks < world_size:
             raise ValueError(f"ranks={ranks} is not a rank of this job (world size {world_size})")
@@ -127,7 +126,8 @@ def recording_ranks(ranks, world_size: int, split: bool):
 
 def check_ranks_option(ranks) -> None:
     """ranks= outside a distributed job: checked for its type all the same, so a typo fails on one process too."""
-    if ranks is None or ranks == ALL_RANKS or (isinstance(ranks, int) and not isinstance(ranks, bool) and ranks >= 0):
+    if ranks is None or ranks == schema.ALL_RANKS or (isinstance(ranks, int) and not isinstance(ranks, bool)
+                                                      and ranks >= 0):
         return
     raise ValueError(f"ranks= takes None (automatic), 'all' or one rank number, got {ranks!r}")
 
@@ -144,7 +144,7 @@ class RankSetup:
 
     @property
     def records(self) -> bool:
-        return self.recording_ranks == ALL_RANKS or self.rank in self.recording_ranks
+        return self.recording_ranks == schema.ALL_RANKS or self.rank in self.recording_ranks
 
     @property
     def single_file(self) -> bool:

@@ -31,7 +31,7 @@ from ..analyzer.shard_stats import ShardCombiner
 from . import schema
 from .errors import RunFileError
 from .ranks import rank_files, rank_path
-from .reader import (DEFAULT_BLOCK_BYTES, DISTRIBUTED, DUMP_COLUMNS, ParamRecord, Run, clip_rows,
+from .reader import (DEFAULT_BLOCK_BYTES, DUMP_COLUMNS, ParamRecord, Run, clip_rows,
                      describe_optimizer, steps_table)
 from .stats_table import stats_param_meta
 
@@ -41,9 +41,6 @@ __all__ = ["Job", "JobOptimizer", "JobParam", "ParamLayout", "is_job_path", "par
 SHARDED, PARTITION, REPLICATED = "sharded", "partition", "replicated"
 # Meta keys of a DTensor parameter the reader uses (record.ShardLayout's fields; "shape" stays the stored part's).
 GLOBAL_SHAPE, OFFSET = "global_shape", "offset"
-ALL_RANKS = "all"
-# Parallelisms whose parameters are whole copies on every rank (root meta "distributed"."parallelism").
-_REPLICATED_PARALLELISMS = ("ddp", "replicated")
 
 
 def is_job_path(path) -> bool:
@@ -143,7 +140,7 @@ def param_layout(metas: dict, parallelism: str | None = None) -> ParamLayout:
                          f"({', '.join(str(list(s)) for s in sorted(shapes))})")
     shape = shapes.pop()
     whole = {r: ((0,) * len(shape), shape) for r in ranks}
-    layout = REPLICATED if len(ranks) > 1 or parallelism in _REPLICATED_PARALLELISMS else PARTITION
+    layout = REPLICATED if len(ranks) > 1 or parallelism in schema.WHOLE_ON_EVERY_RANK else PARTITION
     return ParamLayout(layout, shape, whole, (ranks[0],))
 
 
@@ -427,25 +424,25 @@ class Job:
     def _load(self) -> None:
         recording = set()
         for rank, run in self.ranks.items():
-            dist = run.meta.get(DISTRIBUTED)
+            dist = run.meta.get(schema.META_DISTRIBUTED)
             if dist is None:
-                recording.add(ALL_RANKS)
+                recording.add(schema.ALL_RANKS)
                 continue
             if not isinstance(dist, dict) or dist.get("rank") != rank or dist.get("world_size") != self.world_size:
                 raise RunFileError(f"{run.path}: named as rank {rank} of {self.world_size}, but its metadata says "
                                    f"{_dist_text(dist)}")
             value = dist.get("recording_ranks")
-            recording.add(ALL_RANKS if value == ALL_RANKS else tuple(value) if isinstance(value, list) else value)
+            recording.add(schema.ALL_RANKS if value == schema.ALL_RANKS else tuple(value) if isinstance(value, list) else value)
         if len(recording) > 1:
             raise RunFileError(f"{self.path}: its rank files disagree on which ranks record "
                                f"({', '.join(sorted(map(str, recording)))}): they are not of one job")
         chosen = recording.pop()
-        expected = range(self.world_size) if chosen == ALL_RANKS else chosen
+        expected = range(self.world_size) if chosen == schema.ALL_RANKS else chosen
         for rank in expected:
             if rank not in self.ranks:
                 raise RunFileError(f"{self.path}: rank {rank} of {self.world_size} is missing: "
                                    f"{rank_path(self.path, rank, self.world_size)}")
-        self.recording_ranks = ALL_RANKS if chosen == ALL_RANKS else list(chosen)
+        self.recording_ranks = schema.ALL_RANKS if chosen == schema.ALL_RANKS else list(chosen)
         self.primary = self.ranks[min(self.ranks)]
         versions = {run.format_version for run in self.ranks.values()}
         if len(versions) > 1:
@@ -453,7 +450,7 @@ class Job:
                                f"({', '.join(map(str, sorted(versions)))})")
         self.format_version = self.primary.format_version
         self.meta = self.primary.meta
-        dist = self.meta.get(DISTRIBUTED)
+        dist = self.meta.get(schema.META_DISTRIBUTED)
         self.parallelism = dist.get("parallelism") if isinstance(dist, dict) else None
         indices = {rank: [opt.index for opt in run.optimizers] for rank, run in self.ranks.items()}
         first = indices[min(indices)]

@@ -31,7 +31,6 @@ __all__ = ["Run", "OptimizerRun", "ParamRecord", "RunFileError", "open_run"]
 DEFAULT_BLOCK_BYTES = 64 * 1024 * 1024
 
 DUMP_COLUMNS = ["optimizer", "reason", "trigger_step", "steps", "wall_time"]
-DISTRIBUTED = "distributed"  # the root meta's entry of a file written by one rank of a job (docs/format.md)
 
 _HPARAMS = f"{schema.RECORDS}/{schema.HPARAMS}"
 _CLOSURE_LOSSES = f"{schema.RECORDS}/{schema.CLOSURE_LOSSES}"
@@ -469,8 +468,8 @@ class Run:
                 "format_version": self.format_version, "torch_version": self.torch_version,
                 "upd_version": self.meta.get("upd_version"), "created_unix": self.meta.get("created_unix"),
                 "options": self.options, "params_not_optimized": self.params_not_optimized, "optimizers": optimizers}
-        if isinstance(self.meta.get(DISTRIBUTED), dict):  # one rank's file of a distributed job
-            desc[DISTRIBUTED] = self.meta[DISTRIBUTED]
+        if isinstance(self.meta.get(schema.META_DISTRIBUTED), dict):  # one rank's file of a distributed job
+            desc[schema.META_DISTRIBUTED] = self.meta[schema.META_DISTRIBUTED]
         return desc
 
     # -- analysis ---------------------------------------------------------------------------------------------

@@ -24,6 +24,14 @@ ATTR_PARAMS_NOT_OPTIMIZED = "params_not_optimized"
 ATTR_CLOSED_CLEANLY = "closed_cleanly"
 ATTR_RESUMES = "resumes"
 
+# The root meta's entry in a file written by one rank of a distributed job (docs/format.md, "Distributed jobs"):
+# {"rank", "world_size", "recording_ranks": ALL_RANKS or a list, "parallelism": one of PARALLELISMS, "job_path"}.
+META_DISTRIBUTED = "distributed"
+ALL_RANKS = "all"
+FSDP, ZERO, DDP, REPLICATED = "fsdp", "zero", "ddp", "replicated"
+PARALLELISMS = (FSDP, ZERO, DDP, REPLICATED)
+WHOLE_ON_EVERY_RANK = (DDP, REPLICATED)  # parallelisms whose ranks hold whole copies of every parameter
+
 OPTIMIZERS = "optimizers"  # root group: one member group per optimizer, named by its index
 FLIGHT_DUMPS = "flight_dumps"  # root dataset
 
