@@ -150,7 +150,7 @@ class Recorder:
         if overwrite and resume:
             raise ValueError("pass overwrite=True or resume=True, not both")
         if self.rank_setup is not None:
-            meta[distributed.META_KEY] = self.rank_setup.meta()
+            meta[schema.META_DISTRIBUTED] = self.rank_setup.meta()
             conflict = distributed.layout_conflict(self.rank_setup)
             if conflict:
                 raise ValueError(f"{self.path}: cannot {'resume' if resume else 'record'}: {conflict}")
