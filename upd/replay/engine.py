@@ -150,13 +150,13 @@ class VerifyReport:
                 "max_abs_err": df["max_abs_err"].max(), "update_rel_err": df["update_rel_err"].max(),
                 "err_to_tol": df["err_to_tol"].max(), "state_err_to_tol": df["state_err_to_tol"].max(),
                 "first_mismatch_step": int(bad["step"].min()) if len(bad) else None,
-                "explanation": bad.sort_values("step")["note"].iloc[0] if len(bad) else "",
+                "explanation": bad.sort_values("step", kind="stable")["note"].iloc[0] if len(bad) else "",
                 "result": "FAIL" if len(bad) else ("ok" if (df["status"] == "match").any() else "skipped"),
             })
             if by_rank:
-                first = int(bad[RANK].iloc[0]) if len(bad) else None
+                first = int(bad.sort_values("step", kind="stable")[RANK].iloc[0]) if len(bad) else None  # the explanation's row
                 rows[-1]["first_mismatch_rank"] = first
-                if first is not None:
+                if first is not None and not rows[-1]["explanation"].startswith("replica on rank"):
                     rows[-1]["explanation"] = f"rank {first}: " + rows[-1]["explanation"]
         table = pd.DataFrame(rows)
         if by_rank and len(table):
