@@ -154,7 +154,7 @@ class VerifyReport:
                 "result": "FAIL" if len(bad) else ("ok" if (df["status"] == "match").any() else "skipped"),
             })
             if by_rank:
-                first = int(bad.sort_values("step", kind="stable")[RANK].iloc[0]) if len(bad) else None  # the explanation's row
+                first = int(bad.sort_values("step", kind="stable")[RANK].iloc[0]) if len(bad) else None
                 rows[-1]["first_mismatch_rank"] = first
                 if first is not None and not rows[-1]["explanation"].startswith("replica on rank"):
                     rows[-1]["explanation"] = f"rank {first}: " + rows[-1]["explanation"]
