@@ -1,6 +1,5 @@
 """The `upd` command as a user runs it: real subprocesses for exit codes and output, CliRunner for speed."""
 import json
-import os
 import subprocess
 import sys
 

@@ -8,7 +8,6 @@ from torch import nn
 import upd
 from upd.runfile import schema
 
-from tests.harness.training import MLP, train_steps
 
 
 def record_and_count_warnings(path, model, opt, steps, between=None, **options):

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-from typing import Iterator
 
 import numpy as np
 import pandas as pd
@@ -31,7 +30,7 @@ from ..analyzer.shard_stats import ShardCombiner
 from . import schema
 from .errors import RunFileError
 from .ranks import rank_files, rank_path
-from .reader import (DEFAULT_BLOCK_BYTES, DUMP_COLUMNS, ParamRecord, Run, clip_rows,
+from .reader import (DEFAULT_BLOCK_BYTES, DUMP_COLUMNS, ParamHistory, ParamRecord, Run, RunReader, clip_rows,
                      describe_optimizer, steps_table)
 from .stats_table import stats_param_meta
 
@@ -186,7 +185,7 @@ def _as_index(rows: np.ndarray):
 
 
 # -- the reader objects ------------------------------------------------------------------------------------------
-class JobParam:
+class JobParam(ParamHistory):
     """One logical parameter of a job's optimizer: the ParamRecord API, reading from the ranks that hold it.
 
     ``holders``: {rank: that rank's ParamRecord}. A sharded parameter is stitched on read from one holder per
@@ -293,16 +292,8 @@ class JobParam:
                 out[key] = whole
         return out
 
-    def block_rows(self, block_bytes: int = DEFAULT_BLOCK_BYTES, kinds: int = 3) -> int:
-        return max(1, block_bytes // max(1, self.numel * 8 * kinds))
-
-    def iter_blocks(self, kinds, block_bytes: int = DEFAULT_BLOCK_BYTES) -> Iterator[tuple[slice, dict]]:
-        """Yield (row slice, {kind: whole tensor}) over the whole history, a bounded number of rows at a time."""
-        present = [k for k in kinds if k in self.kinds]
-        step = self.block_rows(block_bytes, max(1, len(kinds)))
-        for start in range(0, self.num_rows, step):
-            rows = slice(start, min(start + step, self.num_rows))
-            yield rows, {k: self.read(k, rows) for k in present}
+    def _has(self, kind: str) -> bool:
+        return kind in self.kinds
 
     def __repr__(self) -> str:
         return f"<JobParam {self.name} {list(self.shape)} {self.layout} on ranks {_ranks_text(self.ranks)}, " \
@@ -399,7 +390,7 @@ class JobOptimizer:
                 f"{self.num_records} records on ranks {_ranks_text(self.rank_optimizers)}>")
 
 
-class Job:
+class Job(RunReader):
     """A distributed job's rank files read as one run. ``upd.open_run(path)`` opens one when `path` itself does not
     exist but rank files for it do. The reader API of ``Run``, plus ``ranks`` ({rank: Run}), ``world_size``,
     ``parallelism`` and ``missing_ranks``."""
@@ -478,14 +469,6 @@ class Job:
         return any(run.live for run in self.ranks.values())
 
     @property
-    def torch_version(self) -> str:
-        return self.meta.get("torch_version", "?")
-
-    @property
-    def options(self) -> dict:
-        return self.meta.get("options", {})
-
-    @property
     def size_bytes(self) -> int:
         return sum(run.size_bytes for run in self.ranks.values())
 
@@ -499,16 +482,6 @@ class Job:
             for rank, steps in opt.missing_steps().items():
                 out.setdefault(rank, set()).update(int(s) for s in steps)
         return {rank: sorted(steps) for rank, steps in sorted(out.items())}
-
-    def param(self, name: str, optimizer: int | None = None) -> JobParam:
-        for opt in self.optimizers:
-            if (optimizer is None or opt.index == optimizer) and name in opt.param_records:
-                return opt.param_records[name]
-        raise KeyError(f"{self.path}: no parameter {name!r}")
-
-    def iter_params(self) -> Iterator[JobParam]:
-        for opt in self.optimizers:
-            yield from opt.param_records.values()
 
     # -- tables -----------------------------------------------------------------------------------------------
     def params(self) -> pd.DataFrame:
@@ -619,12 +592,6 @@ class Job:
     def close(self) -> None:
         for run in self.ranks.values():
             run.close()
-
-    def __enter__(self) -> "Job":
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
 
     def __repr__(self) -> str:
         return (f"<upd.Job {self.path!r}: {len(self.ranks)} rank files of {self.world_size}, "

@@ -83,7 +83,23 @@ class _TableMethod:
         return f"<bound table Run.{self._name}(): call it for the DataFrame>"
 
 
-class ParamRecord:
+class ParamHistory:
+    """What every parameter's recorded history offers on top of ``read``: streaming it in bounded blocks. Shared by
+    one file's ParamRecord and a distributed job's JobParam (stitched from several files)."""
+
+    def block_rows(self, block_bytes: int = DEFAULT_BLOCK_BYTES, kinds: int = 3) -> int:
+        per_row = max(1, self.numel * 8 * kinds)  # float64 working copies dominate
+        return max(1, block_bytes // per_row)
+
+    def iter_blocks(self, kinds, block_bytes: int = DEFAULT_BLOCK_BYTES) -> Iterator[tuple[slice, dict]]:
+        """Yield (row slice, {kind: tensor}) over the whole history, a bounded number of rows at a time."""
+        step = self.block_rows(block_bytes, max(1, len(kinds)))
+        for start in range(0, self.num_rows, step):
+            rows = slice(start, min(start + step, self.num_rows))
+            yield rows, {k: self.read(k, rows) for k in kinds if self._has(k)}
+
+
+class ParamRecord(ParamHistory):
     """One parameter's recorded history inside one optimizer."""
 
     def __init__(self, optimizer: "OptimizerRun", name: str, group: h5py.Group, check: Validator | None = None):
@@ -192,17 +208,6 @@ class ParamRecord:
         if kind in self._storage:
             return self._storage[kind]
         return self._checked(kind) if self._has(kind) else None
-
-    def block_rows(self, block_bytes: int = DEFAULT_BLOCK_BYTES, kinds: int = 3) -> int:
-        per_row = max(1, self.numel * 8 * kinds)  # float64 working copies dominate
-        return max(1, block_bytes // per_row)
-
-    def iter_blocks(self, kinds, block_bytes: int = DEFAULT_BLOCK_BYTES) -> Iterator[tuple[slice, dict]]:
-        """Yield (row slice, {kind: tensor}) over the whole history, a bounded number of rows at a time."""
-        step = self.block_rows(block_bytes, max(1, len(kinds)))
-        for start in range(0, self.num_rows, step):
-            rows = slice(start, min(start + step, self.num_rows))
-            yield rows, {k: self.read(k, rows) for k in kinds if self._has(k)}
 
     def __repr__(self) -> str:
         return f"<ParamRecord {self.name} {list(self.shape)} {self.num_rows} rows>"
@@ -337,7 +342,36 @@ class OptimizerRun:
                 f"{self.num_records} records>")
 
 
-class Run:
+class RunReader:
+    """What a single run file (Run) and a distributed job (Job) offer alike, from their ``meta`` and
+    ``optimizers``: parameter lookup, the recording options, and use as a context manager."""
+
+    @property
+    def torch_version(self) -> str:
+        return self.meta.get("torch_version", "?")
+
+    @property
+    def options(self) -> dict:
+        return self.meta.get("options", {})
+
+    def param(self, name: str, optimizer: int | None = None):
+        for opt in self.optimizers:
+            if (optimizer is None or opt.index == optimizer) and name in opt.param_records:
+                return opt.param_records[name]
+        raise KeyError(f"{self.path}: no parameter {name!r}")
+
+    def iter_params(self) -> Iterator:
+        for opt in self.optimizers:
+            yield from opt.param_records.values()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+class Run(RunReader):
     """A recorded run. ``upd.open_run(path)`` opens one; use it as a context manager or call ``close()``."""
 
     def __init__(self, path, live_timeout: float | None = None):
@@ -393,24 +427,6 @@ class Run:
         return Validator(self.path, self.size_bytes, getattr(self, "_raw", None))
 
     # -- overview ---------------------------------------------------------------------------------------------
-    @property
-    def torch_version(self) -> str:
-        return self.meta.get("torch_version", "?")
-
-    @property
-    def options(self) -> dict:
-        return self.meta.get("options", {})
-
-    def param(self, name: str, optimizer: int | None = None) -> ParamRecord:
-        for opt in self.optimizers:
-            if (optimizer is None or opt.index == optimizer) and name in opt.param_records:
-                return opt.param_records[name]
-        raise KeyError(f"{self.path}: no parameter {name!r}")
-
-    def iter_params(self) -> Iterator[ParamRecord]:
-        for opt in self.optimizers:
-            yield from opt.param_records.values()
-
     # -- tables: every DataFrame is a method call (it reads the file); see _TableMethod for the old attributes ----
     @property
     def params(self) -> "_TableMethod":
@@ -519,12 +535,6 @@ class Run:
         if raw is not None:
             raw.close()  # after the HDF5 file: HDF5 reads through it until then
         lifetime.runs.discard(self)
-
-    def __enter__(self) -> "Run":
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
 
     def __repr__(self) -> str:
         return f"<upd.Run {self.path!r}: " + ", ".join(repr(o) for o in self.optimizers) + ">"
