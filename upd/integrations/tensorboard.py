@@ -9,6 +9,9 @@
 Tags are ``<column>/<param>`` for the columns in ``TAGS`` (TensorBoard groups them into one section per column),
 at ``global_step=step``. Missing and non-finite values (a one-element parameter's std, a zero update's log10) are
 skipped, never written as NaN/inf. tensorboard itself is imported only when a writer has to be created from a path.
+
+In a distributed job the recorder writes from rank 0 alone, the whole parameters' values: where each rank holds a
+part of the model, ``upd.recorder.job_scalars`` combines the ranks' statistics of the kinds these TAGS are made of.
 """
 from __future__ import annotations
 

@@ -35,6 +35,11 @@ def _prepared(t: torch.Tensor) -> torch.Tensor:
     return t.reshape(-1)
 
 
+def element_count(t: torch.Tensor) -> int:
+    """How many numbers a tensor's statistics are taken over (a complex element is two, see _prepared)."""
+    return t.numel() * (2 if t.is_complex() else 1)
+
+
 def tensor_stats(t: torch.Tensor) -> torch.Tensor:
     """(6,) float32 tensor on t's device: mean, std (unbiased), L2 norm, abs max, fraction of exact zeros, and a
     NaN/Inf *flag* (0, or NaN when the tensor holds any NaN/Inf; ``count_nonfinite`` turns flags into counts).

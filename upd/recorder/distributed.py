@@ -3,8 +3,10 @@ parallelism the job uses.
 
 The same ``upd.record(path, ...)`` call runs on every rank. Each recording rank writes its own file (named by
 ``upd.runfile.ranks``), so no rank waits on another and no collective enters the training step; everything here is
-decided locally from the process group, the model and the optimizer. Replicated training (DDP, or a model copied to
-every rank) records on rank 0 alone by default, into ``path`` itself: the replicas are identical.
+decided locally from the process group, the model and the optimizer. The one exception is opt-in: ``tensorboard=``
+in a job whose ranks each hold a part of the model joins one small all-reduce per statistics step
+(``tensorboard_role``, ``job_scalars``). Replicated training (DDP, or a model copied to every rank) records on
+rank 0 alone by default, into ``path`` itself: the replicas are identical.
 """
 from __future__ import annotations
 
@@ -141,6 +143,7 @@ class RankSetup:
     recording_ranks: object  # "all" or a list of ranks
     parallelism: str
     job_path: str
+    split: bool = False  # each rank holds or steps a part of the model (is_split)
 
     @property
     def records(self) -> bool:
@@ -170,9 +173,47 @@ def setup(path: str, model, optimizers, ranks) -> RankSetup | None:
         check_ranks_option(ranks)
         return None
     rank, world = group
-    return RankSetup(rank=rank, world_size=world,
-                     recording_ranks=recording_ranks(ranks, world, is_split(model, optimizers)),
-                     parallelism=parallelism(model, optimizers), job_path=os.fspath(path))
+    split = is_split(model, optimizers)
+    return RankSetup(rank=rank, world_size=world, recording_ranks=recording_ranks(ranks, world, split),
+                     parallelism=parallelism(model, optimizers), job_path=os.fspath(path), split=split)
+
+
+# Who writes live TensorBoard scalars (upd.record(..., tensorboard=)), see tensorboard_role.
+TB_OWN, TB_JOB, TB_NONE = "own", "job", "none"
+
+
+def tensorboard_role(rank_setup: RankSetup | None) -> str:
+    """This rank's part in ``tensorboard=``: TB_OWN, it writes its own statistics (they are the whole
+    parameters': one process, or the writing rank of replicated training: rank 0 when every replica records);
+    TB_JOB, every rank of a split job joins one all-reduce per statistics step and rank 0 writes the combined
+    statistics (``job_scalars``); TB_NONE, it writes nothing.
+
+    ValueError when a split job records on one rank only: its shards' statistics are not the parameters'."""
+    if rank_setup is None:
+        return TB_OWN
+    if rank_setup.split:
+        if rank_setup.recording_ranks != schema.ALL_RANKS:
+            raise ValueError(f"tensorboard= needs every rank of this job recording (ranks=None or 'all'): each rank "
+                             f"holds a part of the model, and rank {rank_setup.recording_ranks[0]}'s parts alone "
+                             "do not give the parameters' ratios")
+        return TB_JOB
+    if not rank_setup.records:
+        return TB_NONE
+    writer = 0 if rank_setup.recording_ranks == schema.ALL_RANKS else rank_setup.recording_ranks[0]
+    return TB_OWN if rank_setup.rank == writer else TB_NONE
+
+
+def counts_toward_whole(tensor, rank_setup: RankSetup) -> bool:
+    """Whether this rank's statistics of `tensor` (a recorded parameter's part) are added into the job's whole
+    parameter, so that every element is added once: a DTensor's part on the ranks at coordinate 0 of every mesh
+    dimension it is replicated along (HSDP keeps copies of each shard), a ZeRO partition's parameter on the one
+    rank that steps it (no other rank records it), any other tensor (a copy on every rank) on rank 0."""
+    dtensor = dtensor_class()
+    if dtensor is not None and isinstance(tensor, dtensor):
+        coordinate = tensor.device_mesh.get_coordinate()
+        return coordinate is not None and all(c == 0 for c, placement in zip(coordinate, tensor.placements)
+                                              if placement.is_replicate())
+    return rank_setup.parallelism == schema.ZERO or rank_setup.rank == 0
 
 
 def layout_conflict(rank_setup: RankSetup) -> str | None:

@@ -21,9 +21,10 @@ from ..integrations.tensorboard import TensorBoardSink
 from ..runfile import encoding, schema
 from ..runfile.async_writer import AsyncRunWriter
 from ..runfile.record import ParamSnapshot, Record, ShardLayout, param_meta
-from . import distributed
-from .device_stats import StepStatistics
+from . import distributed, job_scalars
+from .device_stats import StepStatistics, element_count
 from .flight_recorder import FlightRecorder
+from .job_scalars import JobScalars, Slot
 from .naming import ParamNames, is_selected, model_names, patterns
 from .resume import has_step_counter, initial_step, resume_problems
 from .snapshots import (cpu_copy, dense, dtensor_class, hparams_snapshot, local_part, refuse_unlike_param,
@@ -111,8 +112,11 @@ class Recorder:
         self.flight_recorder = flight_recorder
         self.spike_factor = spike_factor
         self._flight: FlightRecorder | None = None  # made with the writer it dumps to
-        self._tensorboard = None
-        if tensorboard is not None and recording_here:
+        tensorboard_role = (distributed.TB_NONE if tensorboard is None else
+                            distributed.tensorboard_role(self.rank_setup))
+        self._tensorboard = None  # the sink this rank writes to
+        if tensorboard_role == distributed.TB_OWN or (tensorboard_role == distributed.TB_JOB
+                                                      and self.rank_setup.rank == 0):
             self._tensorboard = TensorBoardSink(tensorboard)
         self.include = patterns(include)
         self.exclude = patterns(exclude)
@@ -131,6 +135,14 @@ class Recorder:
         self._names = [ParamNames({**distributed.global_names(opt), **names_in_model}) for opt in job_optimizers]
         self._layouts: dict[int, tuple] = {}  # parameter ids when names were last assigned
         self._shards: dict[int, ShardLayout] = {}  # id(DTensor parameter) -> its ShardLayout, found with its name
+        # A split job's TensorBoard scalars: every rank adds its parts' statistics, rank 0 writes (job_scalars).
+        self._job_optimizers = job_optimizers
+        self._job_scalars: JobScalars | None = None
+        self._job_parts: dict[int, tuple[int, dict]] = {}  # optimizer -> (step, its parts' statistics), until shared
+        self._job_slots: dict[int, tuple[tuple, list[Slot]]] = {}  # optimizer -> (parameter ids, slots)
+        if tensorboard_role == distributed.TB_JOB:
+            self._job_scalars = JobScalars(self.rank_setup.rank, self.rank_setup.world_size, stats_every,
+                                           list(self._steps_done), self._slots, self._warn_job_scalars)
         if not recording_here:
             return  # another rank records: no file, no hooks, nothing to close
 
@@ -168,6 +180,9 @@ class Recorder:
             warnings.warn(f"torch-upd: cannot record to {self.path} ({type(exc).__name__}: {exc}); training "
                           "continues without recording. Pass strict=True to raise instead.", RecorderWarning,
                           stacklevel=3)
+            if self._job_scalars is not None:  # the other ranks all-reduce with this one: keep joining, with nothing
+                for i, opt in enumerate(optimizers):
+                    self._handles.append(opt.register_step_post_hook(self._make_post_hook(i)))
             return
         if flight_recorder is not None:
             self._flight = FlightRecorder(self._writer, len(optimizers), flight_recorder, spike_factor)
@@ -280,6 +295,8 @@ class Recorder:
         def post_hook(optimizer, args, kwargs):
             if self.active:
                 self._guard(self._after_step, opt_index, optimizer)
+            if self._job_scalars is not None:  # after every step, recording or not: the ranks join in step
+                self._share_job_scalars(opt_index)
         return post_hook
 
     def _guard(self, fn, *args) -> None:
@@ -434,6 +451,11 @@ class Recorder:
         if pending.stats is not None:
             rec.stats = self._step_statistics(pending)
             rec.stats_meta = {t.snapshot.name: param_meta(t.snapshot, local_part(t.live)) for t in pending.params}
+            if self._job_scalars is not None:
+                self._job_parts[opt_index] = (rec.step, {
+                    t.snapshot.name: (element_count(local_part(t.live)), rec.stats[t.snapshot.name])
+                    for t in pending.params
+                    if t.snapshot.name in rec.stats and distributed.counts_toward_whole(t.live, self.rank_setup)})
         if rec.full:
             for t in pending.params:
                 t.snapshot.param_after = cpu_copy(t.live) if "param" in self.what else None
@@ -443,11 +465,42 @@ class Recorder:
             self._writer.write(rec)
         else:
             self._flight.step(rec, selected)
-        if self._tensorboard is not None and rec.stats:
-            prefix = f"opt{opt_index}:" if opt_index else ""
-            self._tensorboard.write(rec.step, {prefix + name: values for name, values in rec.stats.items()})
+        if self._tensorboard is not None and rec.stats and self._job_scalars is None:
+            self._tensorboard.write(rec.step, {_tensorboard_name(opt_index, name): values
+                                               for name, values in rec.stats.items()})
         if self._flight is None or selected:
             self._records += 1
+
+    # -- a split job's TensorBoard scalars ---------------------------------------------------------------------
+    def _slots(self, opt_index: int) -> list[Slot]:
+        """Every selected parameter of the job's optimizer, in its order: the same on every rank (a ZeRO rank's
+        local optimizer holds its partition only; the job's holds them all, in the order the user built it)."""
+        optimizer = self._job_optimizers[opt_index]
+        layout = tuple(id(p) for group in optimizer.param_groups for p in group["params"])
+        cached = self._job_slots.get(opt_index)
+        if cached is None or cached[0] != layout:
+            names = self._names[opt_index]
+            recorded = [names.name(p, g, i, group) for g, group in enumerate(optimizer.param_groups)
+                        for i, p in enumerate(group["params"])]
+            cached = (layout, [Slot(_tensorboard_name(opt_index, name), name) for name in recorded
+                               if is_selected(name, self.include, self.exclude)])
+            self._job_slots[opt_index] = cached
+        return cached[1]
+
+    def _share_job_scalars(self, opt_index: int) -> None:
+        """Join the statistics step's all-reduce (outside ``_guard``: a SIGTERM must still end a process waiting in
+        it); rank 0 writes the result. JobScalars raises nothing; writing is a recorder error like any other."""
+        parts = self._job_parts.pop(opt_index, None)
+        combined = self._job_scalars.after_step(opt_index, parts if self.active else None)
+        if combined is not None and self._tensorboard is not None and self.active:
+            self._guard(self._write_job_scalars, *combined)
+
+    def _write_job_scalars(self, step: int, slots: list[Slot], summed) -> None:
+        self._tensorboard.write(step, job_scalars.scalars(slots, summed))
+
+    def _warn_job_scalars(self, why: str) -> None:
+        warnings.warn(f"torch-upd: the job's live TensorBoard scalars stop: {why}; training continues.",
+                      RecorderWarning, stacklevel=2)
 
     def dump(self, reason: str = "requested by the user") -> None:
         """Write the flight recorder's in-memory steps to the run now (e.g. from your own anomaly check)."""
@@ -509,6 +562,11 @@ class Recorder:
         return f"<upd.Recorder {self.path!r} {state}, {self.records} records>"
 
 
+def _tensorboard_name(opt_index: int, name: str) -> str:
+    """A parameter's name in TensorBoard tags: prefixed for optimizer 1 and up, as ``export_ratios`` names them."""
+    return f"opt{opt_index}:{name}" if opt_index else name
+
+
 def record(path, model=None, optimizer=None, **options) -> Recorder:
     """Record what ``optimizer.step()`` does, to one HDF5 file, without changing the training loop.
 
@@ -528,6 +586,16 @@ def record(path, model=None, optimizer=None, **options) -> Recorder:
         optimizer: a ``torch.optim.Optimizer`` or a list of them. A ``ZeroRedundancyOptimizer`` is recorded through
             its local optimizer: each rank records the partition it steps.
         every: record every N-th optimizer step (default 1: every step).
+        tensorboard: a ``torch.utils.tensorboard.SummaryWriter`` or a log dir: ``update_to_data/<param>``,
+            ``grad_to_data/<param>`` and the update, gradient and parameter norms, live, at each statistics step
+            (``stats_every`` defaults to 1 then). In a distributed job rank 0 alone writes, the whole parameters'
+            values. Where each rank holds a part of the model (FSDP2, ZeroRedundancyOptimizer), every rank joins one
+            all-reduce of a small float64 tensor per statistics step (15 numbers per parameter and one per rank),
+            in the optimizer's post-step hook; replicated training (DDP) needs none. Every rank must then make the
+            same call, ``tensorboard=`` included (only rank 0 makes a writer), with the same ``stats_every``, and
+            close its recorder at the same point. A recorder error on one rank stops the scalars on every rank at
+            the next statistics step, never the training. Refused for a sharded job recorded on one rank only
+            (``ranks=`` an int): its shards' ratios are not the parameters'.
         include / exclude: glob pattern(s) on parameter names, e.g. ``include="*.weight"``.
         what: subset of ``("param", "grad", "state")`` to store (default all three).
         dtype: storage dtype: ``"keep"`` (default, exact), ``"float32"``, ``"float16"`` or ``"bfloat16"``.
