@@ -1,17 +1,43 @@
 """Parameter names in the run file, and which parameters ``include=``/``exclude=`` select.
 
 A name is fixed the first time the recorder sees a parameter and never changes afterwards: it is the parameter's
-dataset path in the file, and resuming a run matches parameters by it.
+dataset path in the file, and resuming a run matches parameters by it. Names are the model's own: wrappers that
+only run it differently (torch.compile's ``_orig_mod.``, DDP's ``module.``, see ``distributed.unwrap_model``) add
+nothing to them, so a run compiled or not, distributed or not, has the same names.
 """
 from __future__ import annotations
 
 import fnmatch
+import sys
+
+# The attribute torch.compile's OptimizedModule keeps the compiled module under, and so a component of the names
+# of everything inside it.
+COMPILED_MODULE = "_orig_mod"
+
+
+def uncompiled(model):
+    """The module inside torch.compile's wrapper (OptimizedModule), else `model` itself."""
+    optimized = getattr(sys.modules.get("torch._dynamo.eval_frame"), "OptimizedModule", None)
+    while optimized is not None and isinstance(model, optimized):
+        model = getattr(model, COMPILED_MODULE)
+    return model
+
+
+def without_compile_prefix(name: str) -> str:
+    """A name without the ``_orig_mod.`` components of compiled modules (a compiled submodule puts one in the
+    middle of its parameters' names)."""
+    return ".".join(part for part in name.split(".") if part != COMPILED_MODULE) or name
+
+
+def named_parameters(model):
+    """(name, parameter) for the model's parameters, as the run names them."""
+    return [(without_compile_prefix(n), p) for n, p in model.named_parameters()]
 
 
 def model_names(model) -> dict[int, str]:
     """id(parameter) -> name in the model. named_parameters() already drops duplicates: a tied parameter is recorded
     once, under its first name."""
-    return {} if model is None else {id(p): n for n, p in model.named_parameters()}
+    return {} if model is None else {id(p): n for n, p in named_parameters(model)}
 
 
 class ParamNames:
@@ -29,7 +55,7 @@ class ParamNames:
             return name
         name = self._names_in_model.get(id(param))
         if name is None and "param_names" in group and index_in_group < len(group["param_names"]):
-            name = group["param_names"][index_in_group]
+            name = without_compile_prefix(group["param_names"][index_in_group])
         if name is None:
             name = f"group{group_index}.param{index_in_group}"
         # '/' separates HDF5 path components, so it cannot appear in a dataset name.

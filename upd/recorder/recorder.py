@@ -25,10 +25,17 @@ from . import distributed, job_scalars
 from .device_stats import StepStatistics, element_count
 from .flight_recorder import FlightRecorder
 from .job_scalars import JobScalars, Slot
-from .naming import ParamNames, is_selected, model_names, patterns
+from .naming import ParamNames, is_selected, model_names, named_parameters, patterns, uncompiled
 from .resume import has_step_counter, initial_step, resume_problems
 from .snapshots import (cpu_copy, dense, dtensor_class, hparams_snapshot, local_part, refuse_unlike_param,
                         shard_layout, state_snapshot)
+
+
+def eager(hook):
+    """`hook` excluded from torch.compile: a compiled ``optimizer.step`` (or model) calls the recorder's hooks, and
+    dynamo must not trace them (tracing the copies and counts is slower than running them, 5.5x on a compiled step,
+    and recompiles for every parameter shape). The recorder's work runs as it does in eager mode."""
+    return torch.compiler.disable(hook, reason="torch-upd's recorder runs eagerly")
 
 
 class RecorderWarning(UserWarning):
@@ -67,12 +74,6 @@ class Recorder:
                  flight_recorder: int | None = None,
                  spike_factor: float = 10.0, overwrite: bool = False, resume: bool = False, strict: bool = False,
                  ranks=None):
-        if optimizer is None:
-            raise TypeError("upd.record needs the optimizer (or a list of optimizers) to watch")
-        optimizers = list(optimizer) if isinstance(optimizer, (list, tuple)) else [optimizer]
-        for opt in optimizers:
-            if not isinstance(opt, torch.optim.Optimizer):
-                raise TypeError(f"expected a torch.optim.Optimizer, got {type(opt).__name__}")
         for label, cadence in (("every", every), ("stats_every", stats_every)):
             if cadence is not None and (not isinstance(cadence, int) or isinstance(cadence, bool) or cadence < 1):
                 raise ValueError(f"{label} must be a positive integer or None, got {cadence!r}")
@@ -92,54 +93,84 @@ class Recorder:
             raise ValueError(f"dtype= must be one of {schema.STORAGE_DTYPES}, got {dtype!r}")
         if compression not in (None, "gzip", "lzf"):
             raise ValueError(f"compression= must be None, 'gzip' or 'lzf', got {compression!r}")
-
-        # In a distributed job: which ranks record, into which file. Decided from the wrappers the user passed
-        # (DDP, ZeRO), then recording looks through them: names from the wrapped model, hooks on the optimizer
-        # that steps this rank's parameters.
-        self.rank_setup = distributed.setup(path, model, optimizers, ranks)
-        recording_here = self.rank_setup is None or self.rank_setup.records
-        self.path = self.rank_setup.file if recording_here and self.rank_setup else os.fspath(path)
-        job_optimizers = optimizers
-        model = distributed.unwrap_model(model)
-        optimizers = [distributed.local_optimizer(opt) for opt in job_optimizers]
-        self.optimizers = optimizers
-        self.every = every
-        self.stats_every = stats_every
         zero_counts = (zero_counts,) if isinstance(zero_counts, str) else tuple(zero_counts)
         if set(zero_counts) - {"param", "grad", "update", "state"}:
             raise ValueError(f"zero_counts= takes 'param', 'grad', 'update', 'state'; got {zero_counts!r}")
-        self.zero_counts = zero_counts
+        if overwrite and resume:
+            raise ValueError("pass overwrite=True or resume=True, not both")
+
+        # An inactive recorder from here on: everything below that cannot record returns it as it is (one
+        # RecorderWarning, no hooks, no file), so that setup never breaks the training either.
+        self.path = os.fspath(path)
+        self.rank_setup = None
+        self.optimizers: list[torch.optim.Optimizer] = []
+        self.every = every
+        self.stats_every = stats_every
         self.flight_recorder = flight_recorder
-        self.spike_factor = spike_factor
-        self._flight: FlightRecorder | None = None  # made with the writer it dumps to
-        tensorboard_role = (distributed.TB_NONE if tensorboard is None else
-                            distributed.tensorboard_role(self.rank_setup))
-        self._tensorboard = None  # the sink this rank writes to
-        if tensorboard_role == distributed.TB_OWN or (tensorboard_role == distributed.TB_JOB
-                                                      and self.rank_setup.rank == 0):
-            self._tensorboard = TensorBoardSink(tensorboard)
-        self.include = patterns(include)
-        self.exclude = patterns(exclude)
-        self.what = what
         self.strict = strict
         self.active = False
         self.error: BaseException | None = None
-
-        names_in_model = model_names(model)
+        self._flight: FlightRecorder | None = None  # made with the writer it dumps to
+        self._tensorboard = None  # the sink this rank writes to
         self._handles = []
         self._pending: dict[int, _StepInProgress] = {}
-        self._steps_done = [initial_step(opt) for opt in optimizers]
         self._records = 0  # records written at the cadences (the flight recorder counts its dumps)
+        self._job_scalars: JobScalars | None = None
+
+        try:
+            # Wrappers (Accelerate, Lightning) are looked through here; DDP and ZeRO by `distributed`, which
+            # needs to see them to decide which ranks record.
+            job_optimizers = attachable_optimizers(optimizer)
+            model = attachable_model(model)
+            # In a distributed job: which ranks record, into which file. Decided from the wrappers the user passed
+            # (DDP, ZeRO), then recording looks through them: names from the wrapped model, hooks on the optimizer
+            # that steps this rank's parameters.
+            self.rank_setup = distributed.setup(path, model, job_optimizers, ranks)
+            model = uncompiled(distributed.unwrap_model(model))
+            optimizers = [distributed.local_optimizer(opt) for opt in job_optimizers]
+            for opt in optimizers:
+                check_hookable(opt)
+        except TypeError as exc:
+            self._cannot_record(exc)
+            return
+        recording_here = self.rank_setup is None or self.rank_setup.records
+        if recording_here and self.rank_setup:
+            self.path = self.rank_setup.file
+        self.optimizers = optimizers
+        self.zero_counts = zero_counts
+        self.spike_factor = spike_factor
+        self.include = patterns(include)
+        self.exclude = patterns(exclude)
+        self.what = what
         self._backward_counts: dict[int, int] = {}
         self._hooked_params: set[int] = set()
-        self._names = [ParamNames({**distributed.global_names(opt), **names_in_model}) for opt in job_optimizers]
         self._layouts: dict[int, tuple] = {}  # parameter ids when names were last assigned
         self._shards: dict[int, ShardLayout] = {}  # id(DTensor parameter) -> its ShardLayout, found with its name
-        # A split job's TensorBoard scalars: every rank adds its parts' statistics, rank 0 writes (job_scalars).
         self._job_optimizers = job_optimizers
-        self._job_scalars: JobScalars | None = None
         self._job_parts: dict[int, tuple[int, dict]] = {}  # optimizer -> (step, its parts' statistics), until shared
         self._job_slots: dict[int, tuple[tuple, list[Slot]]] = {}  # optimizer -> (parameter ids, slots)
+        try:
+            # Everything the run's metadata needs from the model and the optimizers, read before the file exists:
+            # an object that only looks like them fails here, and leaves no file behind.
+            names_in_model = model_names(model)
+            self._steps_done = [initial_step(opt) for opt in optimizers]
+            self._names = [ParamNames({**distributed.global_names(opt), **names_in_model})
+                           for opt in job_optimizers]
+            opt_metas = [self._optimizer_meta(i, opt) for i, opt in enumerate(optimizers)]
+            # A ZeRO rank's local optimizer holds its partition only; the job's optimizer holds them all.
+            optimized = {id(p) for opt in job_optimizers for g in opt.param_groups for p in g["params"]}
+            not_optimized = None if model is None else [
+                name for name, p in named_parameters(model) if id(p) not in optimized]
+        except Exception as exc:
+            self._cannot_record(exc)
+            return
+
+        tensorboard_role = (distributed.TB_NONE if tensorboard is None else
+                            distributed.tensorboard_role(self.rank_setup))
+        if tensorboard_role == distributed.TB_OWN or (tensorboard_role == distributed.TB_JOB
+                                                      and self.rank_setup.rank == 0):
+            self._tensorboard = TensorBoardSink(tensorboard)
+        # A split job's TensorBoard scalars: every rank adds its parts' statistics, rank 0 writes (job_scalars).
         if tensorboard_role == distributed.TB_JOB:
             self._job_scalars = JobScalars(self.rank_setup.rank, self.rank_setup.world_size, stats_every,
                                            list(self._steps_done), self._slots, self._warn_job_scalars)
@@ -159,27 +190,28 @@ class Recorder:
                         "dtype": dtype, "compression": compression},
             "optimizer_count": len(optimizers),
         }
-        if overwrite and resume:
-            raise ValueError("pass overwrite=True or resume=True, not both")
         if self.rank_setup is not None:
             meta[schema.META_DISTRIBUTED] = self.rank_setup.meta()
             conflict = distributed.layout_conflict(self.rank_setup)
             if conflict:
                 raise ValueError(f"{self.path}: cannot {'resume' if resume else 'record'}: {conflict}")
+        # Resuming appends to the user's file: a failure below never removes it. Any other file is this
+        # recorder's own, removed again if setup fails after creating it: a stub would read as an empty run.
+        existed = os.path.exists(self.path)
+        ours = not (resume and existed)
         # HDF5 writes happen on a writer thread behind a queue of 2 records: training waits only when the disk is
         # slower than training (+5% instead of +24% inline, docs/background.md).
         try:
             self._writer = AsyncRunWriter(self.path, meta, overwrite=overwrite, storage_dtype=dtype,
                                           compression=compression, resume=resume, max_pending=2)
         except FileExistsError:
-            raise  # refusing to overwrite is the answer the user asked for
-        except OSError as exc:  # permission denied, read-only or full filesystem: never stop the training
-            self.error = exc
-            if strict:
-                raise
-            warnings.warn(f"torch-upd: cannot record to {self.path} ({type(exc).__name__}: {exc}); training "
-                          "continues without recording. Pass strict=True to raise instead.", RecorderWarning,
-                          stacklevel=3)
+            # Refusing to overwrite is the answer the user asked for (overwrite= defaults to False to protect an
+            # earlier run): raised, before the first step, like a bad option value.
+            raise
+        except Exception as exc:  # permission denied, read-only or full filesystem: never stop the training
+            if not existed:
+                _remove_quietly(self.path)
+            self._cannot_record(exc)
             if self._job_scalars is not None:  # the other ranks all-reduce with this one: keep joining, with nothing
                 for i, opt in enumerate(optimizers):
                     self._handles.append(opt.register_step_post_hook(self._make_post_hook(i)))
@@ -187,17 +219,15 @@ class Recorder:
         if flight_recorder is not None:
             self._flight = FlightRecorder(self._writer, len(optimizers), flight_recorder, spike_factor)
         try:
+            if resume:
+                for i, opt in enumerate(optimizers):
+                    self._check_resume(i, opt, opt_metas[i])
+        except BaseException:
+            self._discard_writer(ours)
+            raise  # a run that cannot be continued: the user's mistake, like an existing file without overwrite=
+        try:
             for i, opt in enumerate(optimizers):
-                opt_meta = {
-                    "class": encoding.class_path(type(opt)),
-                    "mro": [encoding.defining_path(c) for c in type(opt).__mro__ if issubclass(c, torch.optim.Optimizer)],
-                    "defaults": encoding.jsonable({k: v for k, v in opt.defaults.items() if k != "params"}),
-                    "initial_step": self._steps_done[i],
-                    "params": self._param_layout(i, opt),
-                }
-                if resume:
-                    self._check_resume(i, opt, opt_meta)
-                self._writer.add_optimizer(i, opt_meta)
+                self._writer.add_optimizer(i, opt_metas[i])
                 self._handles.append(opt.register_step_pre_hook(self._make_pre_hook(i)))
                 self._handles.append(opt.register_step_post_hook(self._make_post_hook(i)))
             for opt in optimizers:
@@ -206,17 +236,47 @@ class Recorder:
                 for group in opt.param_groups:
                     for p in group["params"]:
                         self._hook_backward_counter(p)
-            if model is not None:
-                # A ZeRO rank's local optimizer holds its partition only; the job's optimizer holds them all.
-                optimized = {id(p) for opt in job_optimizers for g in opt.param_groups for p in g["params"]}
-                self._writer.set_attr(schema.ATTR_PARAMS_NOT_OPTIMIZED,
-                                      [n for n, p in model.named_parameters() if id(p) not in optimized])
+            if not_optimized is not None:
+                self._writer.set_attr(schema.ATTR_PARAMS_NOT_OPTIMIZED, not_optimized)
+        except Exception as exc:
+            self._discard_writer(ours)
+            self._cannot_record(exc)
+            return
         except BaseException:
-            self._remove_hooks()
-            self._writer.close()
+            self._discard_writer(ours)
             raise
         self.active = True
         lifetime.recorders.add(self)
+
+    def _cannot_record(self, exc: Exception) -> None:
+        """Setup found something it cannot record: the recorder stays inactive, with one warning (the exception
+        itself with strict=True; called inside the ``except`` that caught it)."""
+        self._remove_hooks()
+        self.error = exc
+        if self.strict:
+            raise exc
+        warnings.warn(f"torch-upd: cannot record to {self.path} ({type(exc).__name__}: {exc}); training "
+                      "continues without recording. Pass strict=True to raise instead.", RecorderWarning,
+                      stacklevel=4)
+
+    def _discard_writer(self, ours: bool) -> None:
+        """Undo a setup that created the writer and then failed: no hooks, the file closed, and removed when it is
+        this recorder's own."""
+        self._remove_hooks()
+        self._writer.abort()
+        self._flight = None
+        if ours:
+            _remove_quietly(self.path)
+
+    def _optimizer_meta(self, index: int, opt) -> dict:
+        """The optimizer's entry in the run's metadata."""
+        return {
+            "class": encoding.class_path(type(opt)),
+            "mro": [encoding.defining_path(c) for c in type(opt).__mro__ if issubclass(c, torch.optim.Optimizer)],
+            "defaults": encoding.jsonable({k: v for k, v in opt.defaults.items() if k != "params"}),
+            "initial_step": self._steps_done[index],
+            "params": self._param_layout(index, opt),
+        }
 
     def _param_layout(self, opt_index: int, opt) -> list:
         """Name, shape and group of every parameter the optimizer holds now (resume compares against it)."""
@@ -252,7 +312,7 @@ class Recorder:
         def count(_param, key=key):
             self._backward_counts[key] += 1
 
-        self._handles.append(param.register_post_accumulate_grad_hook(count))
+        self._handles.append(param.register_post_accumulate_grad_hook(eager(count)))
 
     # -- hooks ------------------------------------------------------------------------------------------------
     def _make_pre_hook(self, opt_index: int):
@@ -269,15 +329,19 @@ class Recorder:
             if len(args) > 1:
                 return (args[0], wrapped, *args[2:]), kwargs
             return args, dict(kwargs, closure=wrapped)
-        return pre_hook
+        return eager(pre_hook)
 
     def _wrap_closure(self, pending: _StepInProgress, closure):
         """Closure-driven optimizers (LBFGS) compute the gradient inside step(): capture the gradient of the first
         evaluation (at the parameters before the step) and every evaluation's loss."""
-        def recording_closure(*args, **kwargs):
-            loss = closure(*args, **kwargs)
+        @eager
+        def record_evaluation(loss):
             if self.active:
                 self._guard(self._closure_evaluated, pending, loss)
+
+        def recording_closure(*args, **kwargs):
+            loss = closure(*args, **kwargs)  # the user's closure: compiled if the step is
+            record_evaluation(loss)
             return loss
         return recording_closure
 
@@ -297,7 +361,7 @@ class Recorder:
                 self._guard(self._after_step, opt_index, optimizer)
             if self._job_scalars is not None:  # after every step, recording or not: the ranks join in step
                 self._share_job_scalars(opt_index)
-        return post_hook
+        return eager(post_hook)
 
     def _guard(self, fn, *args) -> None:
         with lifetime.signals_deferred(self):  # no SIGTERM closes the file under a write in progress
@@ -567,6 +631,73 @@ def _tensorboard_name(opt_index: int, name: str) -> str:
     return f"opt{opt_index}:{name}" if opt_index else name
 
 
+# Where optimizer wrappers keep the torch.optim.Optimizer they wrap: Accelerate's AcceleratedOptimizer and
+# Lightning's LightningOptimizer (`optimizer`), others (`optim`, `_optimizer`).
+WRAPPED_OPTIMIZER_ATTRIBUTES = ("optimizer", "optim", "_optimizer")
+
+
+def wrapped_optimizer(obj, _seen: set | None = None):
+    """The optimizer inside `obj`, looked up through WRAPPED_OPTIMIZER_ATTRIBUTES (wrappers of wrappers too) until
+    a torch.optim.Optimizer that wraps no other: the one whose ``step()`` does the math, and whose step hooks fire
+    (AcceleratedOptimizer subclasses torch.optim.Optimizer without initialising it, so it has no hooks of its own).
+    A ZeroRedundancyOptimizer is kept as it is: ``distributed`` needs it whole. `obj` itself when it wraps none."""
+    seen = set() if _seen is None else _seen
+    if id(obj) in seen or isinstance(obj, distributed.zero_class() or ()):
+        return obj
+    seen.add(id(obj))
+    for name in WRAPPED_OPTIMIZER_ATTRIBUTES:
+        value = _attribute(obj, name)
+        if value is not None:
+            inner = wrapped_optimizer(value, seen)
+            if isinstance(inner, torch.optim.Optimizer):
+                return inner
+    return obj
+
+
+def _attribute(obj, name: str):
+    try:
+        return getattr(obj, name, None)
+    except Exception:  # a property of someone else's wrapper: whatever it raises, it wraps nothing
+        return None
+
+
+def attachable_optimizers(optimizer) -> list:
+    """``optimizer=`` as the list of optimizers to attach to, each looked up through its wrappers; TypeError for
+    anything that is not, or does not wrap, a torch.optim.Optimizer."""
+    if optimizer is None:
+        raise TypeError("upd.record needs the optimizer (or a list of optimizers) to watch")
+    given = list(optimizer) if isinstance(optimizer, (list, tuple)) else [optimizer]
+    found = [wrapped_optimizer(opt) for opt in given]
+    for opt in found:
+        if not isinstance(opt, torch.optim.Optimizer):
+            raise TypeError(f"expected a torch.optim.Optimizer, or a wrapper that exposes one as "
+                            f"{', '.join('.' + a for a in WRAPPED_OPTIMIZER_ATTRIBUTES)}; got {type(opt).__name__}")
+    return found
+
+
+def check_hookable(optimizer: torch.optim.Optimizer) -> None:
+    """TypeError when torch cannot call step hooks on `optimizer`: a subclass whose ``__init__`` never ran
+    ``torch.optim.Optimizer.__init__`` (a wrapper that hides what it wraps)."""
+    if not hasattr(optimizer, "_optimizer_step_pre_hooks"):
+        raise TypeError(f"{type(optimizer).__name__} has no optimizer step hooks (torch.optim.Optimizer.__init__ "
+                        "never ran for it); pass the optimizer it wraps")
+
+
+def attachable_model(model):
+    """``model=`` without torch.compile's wrapper; TypeError for anything without ``named_parameters()``."""
+    if model is not None and not callable(_attribute(model, "named_parameters")):
+        raise TypeError(f"model= must be a torch.nn.Module (names come from its named_parameters()), got "
+                        f"{type(model).__name__}")
+    return uncompiled(model)
+
+
+def _remove_quietly(path: str) -> None:
+    try:
+        os.remove(path)
+    except OSError:
+        pass  # nothing there, or not ours to remove after all: either way not the training's concern
+
+
 def record(path, model=None, optimizer=None, **options) -> Recorder:
     """Record what ``optimizer.step()`` does, to one HDF5 file, without changing the training loop.
 
@@ -581,10 +712,16 @@ def record(path, model=None, optimizer=None, **options) -> Recorder:
             rank) `path` names the job: each recording rank writes its own file, ``runs/exp1.rank0-of-4.h5`` and so
             on, or `path` itself when rank 0 alone records. ``upd.open_run(path)`` reads the whole job.
         model: optional ``nn.Module``; parameter names come from ``model.named_parameters()`` (through a
-            ``DistributedDataParallel`` wrapper: no ``module.`` prefix). Without it names come from the optimizer's
-            ``param_names`` (when built from ``named_parameters()``), else ``group{g}.param{i}``.
-        optimizer: a ``torch.optim.Optimizer`` or a list of them. A ``ZeroRedundancyOptimizer`` is recorded through
-            its local optimizer: each rank records the partition it steps.
+            ``DistributedDataParallel`` wrapper: no ``module.`` prefix; through ``torch.compile``: no ``_orig_mod.``).
+            Without it names come from the optimizer's ``param_names`` (when built from ``named_parameters()``),
+            else ``group{g}.param{i}``.
+        optimizer: a ``torch.optim.Optimizer`` or a list of them. A wrapper that exposes the optimizer it wraps as
+            ``.optimizer``, ``.optim`` or ``._optimizer`` (Accelerate's ``AcceleratedOptimizer``, Lightning's
+            ``LightningOptimizer``) is recorded through: the optimizer inside. A ``ZeroRedundancyOptimizer`` is
+            recorded through its local optimizer: each rank records the partition it steps. What cannot be recorded
+            (not an optimizer, a model that is not a module, a file that cannot be created) warns once
+            (``upd.RecorderWarning``) and gives an inactive recorder, with no file; a bad option value, an
+            existing file without ``overwrite=True`` and a run ``resume=True`` cannot continue are raised.
         every: record every N-th optimizer step (default 1: every step).
         tensorboard: a ``torch.utils.tensorboard.SummaryWriter`` or a log dir: ``update_to_data/<param>``,
             ``grad_to_data/<param>`` and the update, gradient and parameter norms, live, at each statistics step
@@ -612,7 +749,7 @@ def record(path, model=None, optimizer=None, **options) -> Recorder:
             write them to the run when a trigger fires: a NaN/Inf in a gradient or update, a gradient- or
             update-norm spike above ``spike_factor`` (default 10) times its recent median, or ``rec.dump(reason)``.
             The reasons are stored (``Run.dumps``); the dumped steps replay and verify like any others.
-        strict: raise recorder errors instead of warning once and stopping recording.
+        strict: raise recorder errors (at setup too) instead of warning once and stopping recording.
         ranks: which ranks of a distributed job record (ignored in a single process). ``None`` (default): every
             rank when each holds a part of the model (FSDP2 shards, ZeroRedundancyOptimizer partitions), rank 0
             alone otherwise (DDP and other replicated training: the replicas are identical), into `path` itself.
