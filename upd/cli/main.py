@@ -71,7 +71,8 @@ def main():
       upd demo           train a small character-level model, record, analyze, verify
 
     RUN may still be being written: the commands then read a copy taken between two records, holding every
-    record committed so far (see docs/format.md, "Live reading").
+    record committed so far (see docs/format.md, "Live reading"). RUN may also be the path a distributed job was
+    recorded to: the commands then read every rank's file as one job (docs/distributed.md).
     """
 
 
@@ -208,6 +209,10 @@ def verify(run, rtol, ulps, as_json, csv_path, rule_modules):
     clipping or scaling after the recorder's hook, a different lr, missing or doubled weight decay, or a parameter
     changed outside the optimizer. Each mismatch is explained when replaying an alternative (a scaled gradient,
     another lr, weight decay dropped or doubled) reproduces the record.
+
+    RUN may be the path a distributed job was recorded to (rank files named like runs/x.rank0-of-4.h5 for
+    runs/x.h5): each rank's file is replayed on its own (FSDP2 shards shard by shard), every mismatch names its
+    rank, and replicas recorded with ranks="all" are compared with rank 0's (docs/distributed.md).
     """
     try:
         check_tolerances(rtol, ulps)
