@@ -22,7 +22,7 @@ from click.testing import CliRunner
 from torch import nn
 
 import upd
-from tests.harness.distributed import run_job
+from tests.harness.distributed import job_path, run_job
 from upd.cli.main import main
 from upd.replay.engine import EXIT_MATCH, EXIT_MISMATCH, EXIT_UNUSABLE
 from upd.runfile import schema
@@ -74,10 +74,6 @@ def train(model, optimizer, rows: slice) -> None:
         optimizer.zero_grad()
         nn.functional.cross_entropy(model(tokens[rows]), labels[rows]).backward()
         optimizer.step()
-
-
-def job_path(folder: str, opt: str, mode: str) -> str:
-    return os.path.join(folder, f"{opt}-{mode}.h5")
 
 
 def fsdp_worker(rank: int, world_size: int, folder: str) -> None:

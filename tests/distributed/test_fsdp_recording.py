@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 import upd
-from tests.harness.distributed import run_job
+from tests.harness.distributed import job_path, run_job
 from upd.runfile import encoding, schema
 from upd.runfile.ranks import rank_path
 from upd.runfile.stats_table import stats_param_meta
@@ -59,10 +59,6 @@ def train(model, optimizer, rows: slice, before_step=None) -> None:
         if before_step is not None:
             before_step(step)
         optimizer.step()
-
-
-def job_path(folder: str, opt: str, mode: str) -> str:
-    return os.path.join(folder, f"{opt}-{mode}.h5")
 
 
 def fsdp_worker(rank: int, world_size: int, folder: str) -> dict:
@@ -254,21 +250,6 @@ def test_the_flight_recorder_dumps_on_the_rank_whose_shard_turned_nan(fsdp_job):
 
 
 # -- in one process: a DTensor on a one-process mesh, and rules that need the whole tensor -------------------------
-@pytest.fixture
-def cpu_mesh(tmp_path):
-    import torch.distributed as dist
-
-    if not dist.is_available() or not dist.is_gloo_available():
-        pytest.skip("torch.distributed with the gloo backend is not available in this torch build")
-    from torch.distributed.device_mesh import DeviceMesh
-
-    dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
-    try:
-        yield DeviceMesh("cpu", [0])
-    finally:
-        dist.destroy_process_group()
-
-
 @pytest.mark.parametrize("placement", ["Shard(dim=0)", "Replicate()"])
 def test_a_dtensor_parameter_is_recorded_as_its_local_part(tmp_path, cpu_mesh, placement):
     from torch.distributed.tensor import Replicate, Shard, distribute_tensor

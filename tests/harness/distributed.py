@@ -23,6 +23,11 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def job_path(folder: str, optimizer: str, mode: str) -> str:
+    """Where a test job of one optimizer configuration and recording mode records to, inside `folder`."""
+    return os.path.join(folder, f"{optimizer}-{mode}.h5")
+
+
 def _entry(rank, world_size, port, worker, args, results):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))

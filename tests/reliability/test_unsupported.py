@@ -257,22 +257,6 @@ def test_sparse_parameter_trained_with_sgd_recorded_densified(tmp_path, options)
 
 
 # -- DTensor whose local part is no slice of the whole (a Partial gradient): recording stops --------------------
-@pytest.fixture
-def cpu_mesh(tmp_path):
-    """A one-process gloo process group and its DeviceMesh("cpu", [0]), destroyed after the test."""
-    import torch.distributed as dist
-
-    if not dist.is_available() or not dist.is_gloo_available():
-        pytest.skip("torch.distributed with the gloo backend is not available in this torch build")
-    from torch.distributed.device_mesh import DeviceMesh
-
-    dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
-    try:
-        yield DeviceMesh("cpu", [0])
-    finally:
-        dist.destroy_process_group()
-
-
 def distributed_linear(mesh, placement):
     from torch.distributed.tensor import Replicate, Shard, distribute_module, distribute_tensor
 
