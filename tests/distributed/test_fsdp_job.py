@@ -22,7 +22,7 @@ from click.testing import CliRunner
 from torch import nn
 
 import upd
-from tests.harness.distributed import job_path, run_job
+from tests.harness.distributed import job_path, record_references, run_job
 from upd.cli.main import main
 from upd.replay.engine import EXIT_MATCH, EXIT_MISMATCH, EXIT_UNUSABLE
 from upd.runfile import schema
@@ -96,15 +96,7 @@ def fsdp_worker(rank: int, world_size: int, folder: str) -> None:
 @pytest.fixture(scope="module")
 def references(tmp_path_factory) -> dict:
     """The single-process run of each optimizer on the whole batch, full records and statistics: {opt: path}."""
-    folder = tmp_path_factory.mktemp("reference")
-    paths = {}
-    for opt_name, make in OPTIMIZERS.items():
-        model = make_model()
-        optimizer = make(model.parameters())
-        paths[opt_name] = str(folder / f"{opt_name}.h5")
-        with upd.record(paths[opt_name], model, optimizer, strict=True, stats_every=1):
-            train(model, optimizer, slice(None))
-    return paths
+    return record_references(tmp_path_factory.mktemp("reference"), OPTIMIZERS, make_model, train, stats_every=1)
 
 
 @pytest.fixture(scope="module", params=[2, 3], ids=["2-ranks", "3-ranks"])

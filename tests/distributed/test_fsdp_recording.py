@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 import upd
-from tests.harness.distributed import job_path, run_job
+from tests.harness.distributed import job_path, record_references, run_job
 from upd.runfile import encoding, schema
 from upd.runfile.ranks import rank_path
 from upd.runfile.stats_table import stats_param_meta
@@ -92,15 +92,7 @@ def fsdp_worker(rank: int, world_size: int, folder: str) -> dict:
 @pytest.fixture(scope="module")
 def references(tmp_path_factory) -> dict:
     """The single-process run of each optimizer on the whole batch, recorded in full: {optimizer: path}."""
-    folder = tmp_path_factory.mktemp("reference")
-    paths = {}
-    for opt_name, make in OPTIMIZERS.items():
-        model = make_model()
-        optimizer = make(model.parameters())
-        paths[opt_name] = str(folder / f"{opt_name}.h5")
-        with upd.record(paths[opt_name], model, optimizer, strict=True):
-            train(model, optimizer, slice(None))
-    return paths
+    return record_references(tmp_path_factory.mktemp("reference"), OPTIMIZERS, make_model, train)
 
 
 @pytest.fixture(scope="module", params=[2, 3], ids=["2-ranks", "3-ranks"])

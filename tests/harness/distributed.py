@@ -28,6 +28,21 @@ def job_path(folder: str, optimizer: str, mode: str) -> str:
     return os.path.join(folder, f"{optimizer}-{mode}.h5")
 
 
+def record_references(folder, optimizers: dict, make_model, train, **record_options) -> dict:
+    """The single-process reference of a job: for each {name: make_optimizer}, a fresh `make_model()` trained by
+    `train(model, optimizer, slice(None))` on the whole global batch, recorded to folder/<name>.h5: {name: path}."""
+    import upd
+
+    paths = {}
+    for name, make in optimizers.items():
+        model = make_model()
+        optimizer = make(model.parameters())
+        paths[name] = os.path.join(str(folder), f"{name}.h5")
+        with upd.record(paths[name], model, optimizer, strict=True, **record_options):
+            train(model, optimizer, slice(None))
+    return paths
+
+
 def _entry(rank, world_size, port, worker, args, results):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))
