@@ -1,0 +1,45 @@
+"""What every `upd` command shares: the exit codes, the one-line failure, the RUN argument, the error-catching group."""
+from __future__ import annotations
+
+import os
+import sys
+
+import click
+
+from ..replay.engine import EXIT_UNUSABLE
+from ..runfile.reader import RunFileError
+
+EXIT_CODES = """\b
+Exit codes:
+  0  success (verify: every checked step matched)
+  1  verify: at least one recorded update differs from the replay
+  2  unusable input: missing or unreadable file, not a torch-upd run, bad option
+  3  verify: nothing verifiable (no replay rule for the optimizer, or what the
+     replay needs was not recorded)
+  4  verify: a replay rule failed (raised an error: a bug in the rule, named
+     with the step and parameter, not in the run file)
+"""
+
+
+def fail(message: str, code: int = EXIT_UNUSABLE) -> None:
+    click.echo(f"upd: error: {message}", err=True)
+    sys.exit(code)
+
+
+class ErrorLineGroup(click.Group):
+    def invoke(self, ctx):
+        # One clear line and exit 2 for a bad file, never a traceback; UPD_DEBUG=1 shows tracebacks of real bugs.
+        try:
+            return super().invoke(ctx)
+        except RunFileError as exc:
+            fail(str(exc))
+        except (click.exceptions.Exit, click.ClickException, click.Abort, SystemExit, KeyboardInterrupt):
+            raise
+        except Exception as exc:
+            if os.environ.get("UPD_DEBUG"):
+                raise
+            fail(f"{type(exc).__name__}: {exc} (set UPD_DEBUG=1 for a traceback)")
+
+
+# readable=False: the reader reports an unreadable file in its own one line (click would print a usage error).
+RUN_ARG = click.argument("run", type=click.Path(dir_okay=True, readable=False, path_type=str))

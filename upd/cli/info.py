@@ -1,0 +1,62 @@
+"""`upd info RUN`: what a run file (or a distributed job) holds."""
+from __future__ import annotations
+
+import json
+import os
+from datetime import datetime, timezone
+
+import click
+
+from ..runfile import schema
+from ..runfile.reader import open_run
+from .common import RUN_ARG
+
+@click.command()
+@RUN_ARG
+@click.option("--json", "as_json", is_flag=True, help="Print the description as JSON.")
+def info(run, as_json):
+    """Show what RUN holds: optimizers, param groups, parameters with shapes, steps, size.
+
+    For a distributed job's path: its world size, what each rank's file holds (and which steps it lacks), and how
+    each parameter is spread over the ranks (sharded, a partition, replicated)."""
+    with open_run(run) as r:
+        desc = r.describe()
+    if as_json:
+        click.echo(json.dumps(desc, indent=2))
+        return
+    created = desc["created_unix"]
+    when = datetime.fromtimestamp(created, timezone.utc).strftime("%Y-%m-%d %H:%M UTC") if created else "?"
+    job = desc.get("job")
+    kind = "torch-upd run" if job is None else \
+        f"torch-upd job of {job['world_size']} processes ({job['parallelism'] or '?'}), {len(job['ranks'])} rank files"
+    click.echo(f"{desc['path']}: {kind}, format v{desc['format_version']}, {desc['size_bytes'] / 1e6:.2f} MB"
+               + (", being written (this shows the records committed so far)" if desc["live"] else ""))
+    rank_of = desc.get(schema.META_DISTRIBUTED)
+    if rank_of:
+        click.echo(f"  rank {rank_of.get('rank')} of a job of {rank_of.get('world_size')} processes "
+                   f"({rank_of.get('parallelism')}): this file holds that rank's part; the whole job: "
+                   f"upd info {rank_of.get('job_path')}")
+    click.echo(f"  recorded {when} with torch {desc['torch_version']}, upd {desc['upd_version']}")
+    opts = desc["options"]
+    click.echo(f"  options: every={opts.get('every')} stats_every={opts.get('stats_every')} what={','.join(opts.get('what', []))} "
+               f"dtype={opts.get('dtype')} compression={opts.get('compression')}"
+               + (f" include={opts['include']}" if opts.get("include") else "")
+               + (f" exclude={opts['exclude']}" if opts.get("exclude") else ""))
+    for rank in job["ranks"] if job else []:
+        held = ", ".join(f"optimizer {o['index']}: {o['records']} full-tensor records, {o['stats_steps']} statistics "
+                         f"steps" for o in rank["optimizers"])
+        lacks = ", ".join(f"{a}" if a == b else f"{a}..{b}" for a, b in rank["lacks_steps"])
+        click.echo(f"  rank {rank['rank']}: {os.path.basename(rank['path'])}, {rank['size_bytes'] / 1e6:.2f} MB, {held}"
+                   + (f"; lacks steps {lacks} (the job reads the steps every rank holds)" if lacks else ""))
+    for opt in desc["optimizers"]:
+        span = f"steps {opt['first_step']}..{opt['last_step']}" if opt["records"] else "no steps"
+        click.echo(f"optimizer {opt['index']}: {opt['class']}, {opt['param_groups']} param group(s), "
+                   f"{opt['records']} full-tensor records ({span}), {opt['stats_steps']} statistics steps")
+        width = max([len(p["name"]) for p in opt["params"]] + [5])
+        for p in opt["params"]:
+            shape = "x".join(map(str, p["shape"])) or "scalar"
+            where = f"  {p['layout']} on ranks {','.join(map(str, p['ranks']))}" if "layout" in p else ""
+            click.echo(f"  {p['name']:<{width}}  {shape:>12}  {p['dtype'] or '?':>8}  group {p['group']}  "
+                       f"{p['rows']:>5} rows  state: {','.join(p['state']) or '-'}{where}")
+    if desc["params_not_optimized"]:
+        click.echo(f"model parameters in no optimizer: {', '.join(desc['params_not_optimized'])}")

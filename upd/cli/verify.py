@@ -1,0 +1,78 @@
+"""`upd verify RUN`: replay the optimizer's math against the recorded updates."""
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+import click
+
+from ..replay import ReplayRuleError, load_plugins
+from ..replay.engine import EXIT_RULE_FAILED, verify as verify_run
+from ..replay.registry import check_tolerances
+from .common import RUN_ARG, fail
+
+@click.command()
+@RUN_ARG
+@click.option("--rtol", type=float, default=None,
+              help="Override each rule's tolerance relative to the largest update (see docs/verify.md).")
+@click.option("--ulps", type=float, default=None, help="Override the per-element tolerance in storage ulps.")
+@click.option("--json", "as_json", is_flag=True, help="Print the per-parameter result as JSON.")
+@click.option("--csv", "csv_path", type=click.Path(dir_okay=False), default=None,
+              help="Write every check (one row per parameter and step) to this CSV file.")
+@click.option("--rules", "rule_modules", multiple=True, metavar="MODULE",
+              help="Import MODULE first: it registers replay rules for your own optimizers with "
+                   "upd.replay.register (repeatable). Installed packages can instead declare an entry point in "
+                   "the 'torch_upd.replay_rules' group, which is always loaded.")
+def verify(run, rtol, ulps, as_json, csv_path, rule_modules):
+    """Replay the optimizer's math for every recorded step of RUN and compare with the recorded update.
+
+    Each step is recomputed in float64 from the recorded parameter, gradient, optimizer state and param-group
+    hyperparameters, and compared with the recorded parameter after the step (and with the optimizer state at the
+    next step, when that was recorded). A mismatch means the optimizer did not do what its hyperparameters say:
+    clipping or scaling after the recorder's hook, a different lr, missing or doubled weight decay, or a parameter
+    changed outside the optimizer. Each mismatch is explained when replaying an alternative (a scaled gradient,
+    another lr, weight decay dropped or doubled) reproduces the record.
+
+    RUN may be the path a distributed job was recorded to (rank files named like runs/x.rank0-of-4.h5 for
+    runs/x.h5): each rank's file is replayed on its own (FSDP2 shards shard by shard), every mismatch names its
+    rank, and replicas recorded with ranks="all" are compared with rank 0's (docs/distributed.md).
+    """
+    try:
+        check_tolerances(rtol, ulps)
+    except ValueError as exc:
+        fail(f"--{exc}")
+    try:
+        load_plugins(rule_modules)
+    except Exception as exc:
+        fail(f"could not load replay rules: {type(exc).__name__}: {exc}")
+    try:
+        report = verify_run(run, rtol=rtol, ulps=ulps)
+    except ReplayRuleError as exc:
+        if os.environ.get("UPD_DEBUG"):
+            raise
+        fail(f"{exc} (set UPD_DEBUG=1 for the rule's traceback)", EXIT_RULE_FAILED)
+    if csv_path:
+        report.checks.to_csv(csv_path, index=False)
+    if as_json:
+        by_param = report.by_param()
+        click.echo(json.dumps({"path": report.path, "live": report.live, "exit_code": report.exit_code, "matched": report.matched,
+                               "mismatched": report.mismatched, "skipped": report.skipped,
+                               "problems": report.problems, "precision_notes": report.precision_notes,
+                               "params_not_optimized": report.params_not_optimized,
+                               "mismatches": json.loads(report.checks[report.checks["status"] == "mismatch"]
+                                                        .to_json(orient="records")),
+                               "params": json.loads(by_param.to_json(orient="records"))}, indent=2))
+    else:
+        by_param = report.by_param()
+        if len(by_param):
+            cols = ["param", "checked", "mismatched", "err_to_tol", "update_rel_err", "first_mismatch_step", "result"]
+            if "first_mismatch_rank" in by_param:  # a distributed job
+                cols.insert(cols.index("first_mismatch_step") + 1, "first_mismatch_rank")
+            if report.checks["optimizer"].nunique() > 1:
+                cols.insert(0, "optimizer")
+            shown = by_param[cols].astype(object).where(by_param[cols].notna(), "-")
+            click.echo(shown.to_string(index=False, formatters={
+                c: (lambda v: v if isinstance(v, str) else f"{v:.2g}") for c in ("err_to_tol", "update_rel_err")}))
+        click.echo(report.summary())
+    sys.exit(report.exit_code)
