@@ -39,12 +39,13 @@ def _data(seed: int):
 def _train(path, model, optimizer, scheduler=None, seed=0):
     x, y = _data(seed)
     g = torch.Generator().manual_seed(seed + 1)
-    with upd.record(path, model, optimizer, overwrite=True):
+    with upd.record(path, model, optimizer, overwrite=True) as rec:
         for _ in range(STEPS):
             idx = torch.randint(0, len(x), (32,), generator=g)
             loss = nn.functional.mse_loss(model(x[idx]), y[idx])
             optimizer.zero_grad()
             loss.backward()
+            rec.log(loss=loss)  # the run's scalars table: run.steps() shows the loss next to the lr
             optimizer.step()
             if scheduler is not None:
                 scheduler.step()

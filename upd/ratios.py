@@ -10,14 +10,26 @@ training keeps update_to_data near -3: each step changes a weight by about a tho
 
 Edge cases follow IEEE division, the same on floats, numpy arrays and torch tensors: a zero numerator gives -inf
 (the weight did not move), a zero denominator +inf, 0/0 and NaN inputs NaN.
+
+Complex parameters: the statistics (std, norm, mean) of a complex tensor are those of its real and imaginary parts
+taken as 2n real numbers (``torch.view_as_real``, see ``real_numbers``). The norm is then the complex tensor's own
+L2 norm, and the std measures the spread of both parts around their means, so a rotation of the weights in the
+complex plane counts like any other change. The recorder's statistics and the analyzer use the same definition.
 """
 from __future__ import annotations
 
 import numpy as np
+import torch
 
 UPDATE_TO_DATA = "update_to_data"
 GRAD_TO_DATA = "grad_to_data"
 RATIO_NAMES = (UPDATE_TO_DATA, GRAD_TO_DATA)
+
+
+def real_numbers(t: torch.Tensor) -> torch.Tensor:
+    """The numbers a tensor's ratio statistics are taken over: a complex tensor's real and imaginary parts as pairs
+    (``torch.view_as_real``: shape (..., 2), no copy), any other tensor as it is."""
+    return torch.view_as_real(t) if t.is_complex() else t
 
 
 def log10_ratio(numerator, denominator):

@@ -33,7 +33,7 @@ OPTIMIZERS = {
 }
 MODES = {
     "full": {"every": 1, "stats_every": 1},  # full records, statistics from the CPU copies
-    "stats": {"every": None, "stats_every": 1},  # statistics only, computed on the device
+    "stats": {"every": None, "stats_every": 1, "full_stats_every": 1},  # statistics only, on the device, full set
 }
 FLIGHT = ("adamw", "flight")
 JOBS = [(opt, mode) for opt in OPTIMIZERS for mode in MODES] + [FLIGHT]

@@ -6,12 +6,15 @@ import subprocess
 import sys
 import types
 
+import json
+
 import h5py
 import numpy as np
 import pytest
 import torch
 
 import upd
+from upd.analyzer.clipping import clipping_summary
 from upd.runfile import schema
 
 from tests.harness.paths import REPO_ROOT
@@ -96,19 +99,46 @@ def test_the_trainers_logs_are_stored_in_the_run(trained):
     trainer, _, path = trained
     history = trainer.state.log_history
     logs = trainer_logs(path)
-    assert len(logs) == len(history)
     assert list(logs.columns)[0] == "step"
-    assert list(logs["step"]) == [e["step"] for e in history]
+    assert list(logs["step"]) == sorted({e["step"] for e in history})  # one row per logged step
     losses = [e["loss"] for e in history if "loss" in e]
     assert len(losses) == STEPS
-    assert list(logs["loss"].dropna()) == losses
+    assert list(logs["loss"].dropna()) == pytest.approx(losses, rel=1e-12)
     assert list(logs["learning_rate"].dropna()) == [e["learning_rate"] for e in history if "learning_rate" in e]
-    with upd.open_run(path) as run:  # an open run reads the same
+    with upd.open_run(path) as run:  # an open run reads the same, and run.steps() shows them at each step
         assert trainer_logs(run).equals(logs)
         assert run.params_not_optimized == []
-    with h5py.File(path, "r") as f:  # stored as the run format declares it
+        steps = run.steps()
+    assert list(steps["loss"]) == pytest.approx(losses, rel=1e-12)
+    assert list(steps["step"] + 1) == [e["step"] for e in history if "loss" in e]
+    with h5py.File(path, "r") as f:  # stored as the run format declares it: logged scalars, no root attribute
         assert set(f.attrs) <= {a.name for a in schema.ROOT.attrs}
-        assert schema.ATTR_TRAINER_LOGS in f.attrs and schema.ATTR_CLOSED_CLEANLY in f.attrs
+        assert schema.ATTR_TRAINER_LOGS not in f.attrs and schema.ATTR_CLOSED_CLEANLY in f.attrs
+        assert "loss" in json.loads(f[f"optimizers/0/{schema.SCALARS}"].attrs[schema.SCALAR_COLUMNS])
+
+
+@pytest.mark.slow
+def test_the_gradient_norm_before_clipping_is_the_one_the_trainer_logged(trained):
+    """The Trainer logs clip_grad_norm_'s return value: the total norm before clipping. The recorder measures it
+    itself at the end of the last backward pass before each step, and the clipped norm the optimizer then saw."""
+    trainer, _, path = trained
+    logged = [e["grad_norm"] for e in trainer.state.log_history if "grad_norm" in e]
+    with upd.open_run(path) as run:
+        scalars = run.scalars()
+        clipping = clipping_summary(run)
+    assert list(scalars[schema.SCALAR_GRAD_NORM_BACKWARD]) == pytest.approx(logged, rel=1e-5)
+    assert list(scalars[schema.SCALAR_GRAD_NORM_AT_STEP]) == pytest.approx([MAX_GRAD_NORM] * STEPS, rel=1e-4)
+    assert (clipping.clipped_steps, clipping.measured_steps) == (STEPS, STEPS)
+    assert clipping.clipped_to == pytest.approx(MAX_GRAD_NORM, rel=1e-4)
+
+
+def test_logs_of_an_earlier_version_are_read_from_the_root_attribute(tmp_path):
+    path = record_run(str(tmp_path / "old.h5"), lambda m: torch.optim.SGD(m.parameters(), lr=0.1), steps=1)
+    history = [{"loss": 2.5, "learning_rate": 0.1, "step": 1}, {"train_runtime": 3.0, "step": 1}]
+    with h5py.File(path, "r+") as f:
+        f.attrs[schema.ATTR_TRAINER_LOGS] = json.dumps(history)
+    logs = trainer_logs(path)
+    assert logs.to_dict("list")["loss"][0] == 2.5 and len(logs) == 2 and list(logs["step"]) == [1, 1]
 
 
 def test_a_run_recorded_without_the_callback_has_no_logs(tmp_path):

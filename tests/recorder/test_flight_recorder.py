@@ -59,10 +59,15 @@ def test_divergence_dumps_the_steps_before_the_blow_up_and_they_verify(tmp_path)
     assert first_nan_dump["trigger_step"] == first_nan
     # The K steps up to the first NaN are on disk (except those an earlier dump already wrote).
     assert set(range(first_nan - k + 1, first_nan + 1)) <= set(recorded)
-    # ... and replay like any record: every dumped step before the NaN verifies.
+    # ... and replay like any record: no dumped step before the NaN mismatches. As the weights blow up, float32's
+    # spacing at their size outgrows Adam's lr-sized update on most elements: those checks are inconclusive (and
+    # say so), the ones before the blow-up match.
     report = upd.verify(path)
     finite = report.checks[report.checks["step"] < first_nan]
-    assert len(finite) and (finite["status"] == "match").all(), report.summary()
+    assert len(finite) and (finite["status"] != "mismatch").all(), report.summary()
+    unresolved = finite["update_resolved"] < 0.5
+    assert (finite.loc[unresolved, "status"] == "inconclusive").all()
+    assert (finite.loc[~unresolved, "status"] == "match").all() and (~unresolved).sum() > len(finite) // 2
 
 
 def test_user_dump(tmp_path):

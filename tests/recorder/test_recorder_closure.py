@@ -4,6 +4,8 @@ from torch import nn
 
 import upd
 
+from tests.harness.training import loss_at, mlp
+
 
 def test_lbfgs_records_first_gradient_and_every_closure_loss(tmp_path):
     torch.manual_seed(0)
@@ -54,3 +56,49 @@ def test_plain_steps_have_no_closure_losses(tmp_path):
         opt.step()
     with upd.open_run(path) as run:
         assert run.optimizers[0].closure_losses(0) is None
+
+
+def test_backward_pass_counts_the_closures_backward(tmp_path):
+    """step(closure) runs its backward inside step(), after the pre-hook: the record counts it all the same, as a
+    plain step would have counted the same backward done before step() (gradient accumulation of 2 here, the
+    second micro-batch's backward inside the closure, as Lightning's automatic optimization does)."""
+    model = mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    path = str(tmp_path / "closure.h5")
+    with upd.record(path, model, opt):
+        for s in range(3):
+            opt.zero_grad()
+            loss_at(model, 2 * s).backward()
+
+            def closure(s=s):
+                loss = loss_at(model, 2 * s + 1)
+                loss.backward()
+                return loss
+            opt.step(closure)
+    with upd.open_run(path) as run:
+        assert list(run.steps()["backward_pass"]) == [2, 4, 6]
+    assert upd.verify(path).exit_code == 0
+
+
+def test_backward_pass_of_an_lbfgs_step_is_that_of_its_recorded_gradient(tmp_path):
+    """LBFGS evaluates the closure several times per step; the record holds the first evaluation's gradient, and
+    counts the backward passes up to that one."""
+    model = mlp()
+    opt = torch.optim.LBFGS(model.parameters(), lr=0.5, max_iter=3)
+    evaluations = []
+
+    def closure():
+        opt.zero_grad()
+        loss = loss_at(model, 0)
+        loss.backward()
+        evaluations[-1] += 1
+        return loss
+
+    path = str(tmp_path / "lbfgs.h5")
+    with upd.record(path, model, opt):
+        for _ in range(3):
+            evaluations.append(0)
+            opt.step(closure)
+    with upd.open_run(path) as run:
+        assert list(run.steps()["backward_pass"]) == [sum(evaluations[:s]) + 1 for s in range(3)]
+    assert evaluations[0] > 1

@@ -24,14 +24,19 @@ def reference_stats(t: torch.Tensor) -> dict:
             "nonfinite": float((~finite).sum())}
 
 
-def test_statistics_match_a_direct_reference_computation(tmp_path):
+LEAN_COLUMNS = [f"{kind}_{stat}" for kind in stats_mod.LEAN_KINDS for stat in stats_mod.LEAN_STATS]
+
+
+@pytest.mark.parametrize("full_stats_every", [1, None], ids=["full set", "lean set"])
+def test_statistics_match_a_direct_reference_computation(tmp_path, full_stats_every):
     torch.manual_seed(0)
     model = MLP()
     opt = torch.optim.Adam(model.parameters(), lr=1e-2)
     expected = {}
     g = torch.Generator().manual_seed(0)
     path = str(tmp_path / "run.h5")
-    with upd.record(path, model, opt, every=None, stats_every=1, zero_counts=("param", "grad", "update", "state")):
+    with upd.record(path, model, opt, every=None, stats_every=1, zero_counts=("param", "grad", "update", "state"),
+                    full_stats_every=full_stats_every):
         for step in range(4):
             x, y = torch.randn(8, 16, generator=g), torch.randn(8, 4, generator=g)
             opt.zero_grad()
@@ -50,9 +55,13 @@ def test_statistics_match_a_direct_reference_computation(tmp_path):
         assert run.optimizers[0].num_records == 0  # statistics only: no full tensors at all
         assert run.size_bytes < 200_000
     assert len(table) == len(expected) == 4 * 4
+    if full_stats_every is None:  # the lean set: no abs max, zero fraction or optimizer state in the table at all
+        assert not [c for c in table.columns if c.endswith(("_absmax", "_zero_frac")) or c.startswith("state.")]
     checked = 0
     for key, values in expected.items():
         for column, ref in values.items():
+            if full_stats_every is None and column not in LEAN_COLUMNS:
+                continue
             got = table.loc[key, column]
             if math.isnan(ref):
                 assert math.isnan(got), (key, column)
@@ -62,7 +71,8 @@ def test_statistics_match_a_direct_reference_computation(tmp_path):
                     ("zero_frac", "nonfinite")) else 0.0
                 assert got == pytest.approx(ref, rel=2e-6, abs=1e-6 * scale + 1e-12), (key, column, got, ref)
             checked += 1
-    assert checked > 4 * 4 * 30  # param, grad, update and three Adam state tensors, six statistics each
+    # full set: param, grad, update and three Adam state tensors, six statistics each; lean: 3 kinds x 4 statistics
+    assert checked == 4 * 4 * len(LEAN_COLUMNS) if full_stats_every is None else checked > 4 * 4 * 30
     row = table.loc[("fc1.weight", 2)]
     assert row["update_to_data"] == pytest.approx(math.log10(row["update_std"] / row["param_std"]))
 
@@ -136,28 +146,36 @@ def test_snapshot_only_on_recording_steps(tmp_path, monkeypatch):
     torch.manual_seed(0)
     model = MLP()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    clones = []
-    real_clone = torch.Tensor.clone
+    copies = []  # clones (the full statistics set) and copies into the lean set's reused buffers
+    real_clone, real_foreach_copy = torch.Tensor.clone, torch._foreach_copy_
 
     def counting_clone(self, *a, **k):
-        clones.append(self.shape)
+        copies.append(("clone", tuple(self.shape)))
         return real_clone(self, *a, **k)
 
+    def counting_foreach_copy(targets, sources, *a, **k):
+        copies.extend(("copy", tuple(t.shape)) for t in sources)
+        return real_foreach_copy(targets, sources, *a, **k)
+
     path = str(tmp_path / "run.h5")
-    rec = upd.record(path, model, opt, every=None, stats_every=3)
+    rec = upd.record(path, model, opt, every=None, stats_every=3)  # full set at step 0, lean set at step 3
     per_step = []
     g = torch.Generator().manual_seed(0)
     for step in range(6):
         opt.zero_grad()
         nn.functional.mse_loss(model(torch.randn(8, 16, generator=g)), torch.randn(8, 4, generator=g)).backward()
-        clones.clear()
+        copies.clear()
         with monkeypatch.context() as m:
             m.setattr(torch.Tensor, "clone", counting_clone)
+            m.setattr(torch, "_foreach_copy_", counting_foreach_copy)
             opt.step()
-        per_step.append(len(clones))
+        per_step.append(sorted(copies))
         assert not rec._pending  # nothing held between steps
     rec.close()
-    assert per_step == [4, 0, 0, 4, 0, 0]
+    shapes = sorted(tuple(p.shape) for p in model.parameters())
+    assert per_step[0] == [("clone", s) for s in shapes]  # the parameters, before the step
+    assert per_step[3] == sorted([("copy", s) for s in shapes] * 2)  # the parameters and gradients, into buffers
+    assert per_step[1:3] == per_step[4:] == [[], []]
 
 
 def test_nonfinite_gradients_are_counted(tmp_path):
@@ -256,7 +274,7 @@ def test_zero_fractions_only_where_asked(tmp_path):
     model = nn.Sequential(nn.Linear(80, 80), nn.ReLU(), nn.Linear(80, 4))  # an 80x80 weight: the large path
     opt = torch.optim.Adam(model.parameters(), lr=1e-2)
     path = str(tmp_path / "run.h5")
-    with upd.record(path, model, opt, every=None, stats_every=1):  # default: gradients only
+    with upd.record(path, model, opt, every=None, stats_every=1, full_stats_every=1):  # default: gradients only
         for _ in range(2):
             opt.zero_grad()
             model(torch.randn(8, 80)).pow(2).mean().backward()
@@ -267,3 +285,67 @@ def test_zero_fractions_only_where_asked(tmp_path):
         assert table[f"{kind}_zero_frac"].isna().all(), kind
     with pytest.raises(ValueError, match="zero_counts"):
         upd.record(str(tmp_path / "x.h5"), model, opt, zero_counts=("weights",))
+
+
+def test_full_set_on_its_own_cadence(tmp_path):
+    """Lean steps have no abs max, zero fraction or optimizer-state statistics; every full_stats_every-th step has."""
+    torch.manual_seed(0)
+    model = MLP()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    path = str(tmp_path / "run.h5")
+    with upd.record(path, model, opt, every=None, stats_every=1, full_stats_every=3):
+        train_steps(model, opt, steps=7)
+    table = upd.open_run(path).stats()
+    full = table.groupby("step")["param_absmax"].apply(lambda s: s.notna().all())
+    assert full[full].index.tolist() == [0, 3, 6]
+    by_step = table.set_index("step")
+    assert by_step.loc[[3, 6], "state.exp_avg_norm"].notna().all()  # Adam has no state before step 0
+    assert by_step.loc[[1, 2, 4, 5], ["param_absmax", "grad_zero_frac", "state.exp_avg_norm"]].isna().all().all()
+    assert table[LEAN_COLUMNS].notna().all().all()  # the lean set at every step, full steps included
+    with pytest.raises(ValueError, match="full_stats_every"):
+        upd.record(str(tmp_path / "x.h5"), model, opt, stats_every=1, full_stats_every=0)
+
+
+def test_lean_set_counts_nonfinite_values_in_large_and_small_tensors(tmp_path):
+    """A NaN/Inf in a large gradient (its own reductions) and in a small one (a bucket shared with other tensors):
+    both counted exactly, and no other tensor of the bucket is spoiled."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(80, 80), nn.ReLU(), nn.Linear(80, 4))  # 6400 elements: above SMALL_LIMIT
+    assert model[0].weight.numel() > stats_mod.SMALL_LIMIT >= model[2].weight.numel()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    path = str(tmp_path / "run.h5")
+    with upd.record(path, model, opt, every=None, stats_every=1, full_stats_every=None):
+        for step in range(2):
+            opt.zero_grad()
+            model(torch.randn(8, 80)).pow(2).mean().backward()
+            if step == 1:
+                model[0].weight.grad[0, :2] = float("nan")
+                model[2].weight.grad[1, 5] = float("inf")
+            opt.step()
+    table = upd.open_run(path).stats().set_index(["param", "step"])
+    assert table.loc[("0.weight", 1), "grad_nonfinite"] == 2 and table.loc[("2.weight", 1), "grad_nonfinite"] == 1
+    assert table.loc[("0.weight", 1), "update_nonfinite"] == 2 and table.loc[("2.weight", 1), "update_nonfinite"] == 1
+    for name in ("0.bias", "2.bias"):  # the same bucket as 2.weight, or none: untouched
+        assert table.loc[(name, 1), ["grad_nonfinite", "update_nonfinite"]].tolist() == [0, 0]
+        assert np.isfinite(table.loc[(name, 1), ["grad_std", "update_std", "update_to_data"]].astype(float)).all()
+    assert (table.xs(0, level="step")["grad_nonfinite"] == 0).all()
+
+
+def test_lean_set_keeps_the_std_of_a_scale_near_one():
+    """|mean| >> std (a norm layer's scale, 1 +- 1e-4): float64 buckets keep the one-pass std exact; float32 sums
+    would lose it (shown: the float32 one-pass form on the same tensor is off by far more)."""
+    torch.manual_seed(0)
+    scale = nn.Parameter(1 + 1e-4 * torch.randn(256))
+    scale.grad = torch.randn(256)
+    before = scale.detach().clone()
+    pool = stats_mod.SnapshotPool()
+    step = stats_mod.LeanStep(pool, ["scale"], [scale], [scale.detach()], [scale.grad])
+    with torch.no_grad():
+        scale -= 1e-6 * scale.grad
+    got = step.read()["scale"]
+    exact = before.double().std().item()
+    assert got["param_std"] == pytest.approx(exact, rel=1e-6)
+    assert got["update_std"] == pytest.approx((scale.detach().double() - before.double()).std().item(), rel=1e-6)
+    n = 256
+    one_pass_f32 = math.sqrt(max(0.0, (before.norm().item() ** 2 - before.sum().item() ** 2 / n) / (n - 1)))
+    assert abs(one_pass_f32 - exact) > 100 * abs(got["param_std"] - exact)

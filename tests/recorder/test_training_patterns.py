@@ -45,7 +45,16 @@ def test_lr_scheduler_lr_per_record(tmp_path, kind):
                 assert hp["betas"] == list(used_betas[r])
     report = upd.verify(path)
     assert report.exit_code == 0, report.summary()
-    assert report.matched == steps * 4
+    if kind == "onecycle":
+        # The one-cycle schedule ends at max_lr / 2.5e5 = 2e-7: Adam then moves each weight by less than float32's
+        # spacing at its size, and verify says the last step's checks are inconclusive instead of calling them ok.
+        assert used_lr[-1] < 1e-6
+        # (a bias near zero has a fine enough spacing to still be checked).
+        last = report.checks["step"] == steps - 1
+        assert (report.checks.loc[~last, "status"] == "match").all()
+        assert "inconclusive" in set(report.checks.loc[last, "status"]) and report.mismatched == 0
+    else:
+        assert report.matched == steps * 4
 
 
 # -- GradScaler-skipped step ----------------------------------------------------------------------------------

@@ -281,6 +281,9 @@ def last_state_key(f) -> str:
 BROKEN = {"info": {2}, "analyze": {2}, "verify": {2}}
 STILL_VALID = {"info": {0}, "analyze": {0}, "verify": VALID}
 LAZY = {"info": {0}, "analyze": {0}, "verify": {2}}  # only verify reads it (hparams)
+# A parameter's tensor and state datasets are checked when first read (validate.ParamDatasets): `info` reads none
+# but the 'param' dataset's dtype, so it shows the file; analyze and verify, which read them, refuse it.
+TENSORS_LAZY = {"info": {0}, "analyze": {2}, "verify": {2}}
 
 
 def _replace_dataset(f, name, data, attrs=None, **kwargs):
@@ -364,8 +367,8 @@ STRUCTURE_MUTATIONS = [
     ("state keys not strings", lambda f: f[P_STATE].attrs.__setitem__(schema.STATE_KEYS, "[1, 2]"), BROKEN),
     ("torch_dtype bfloat16 on float32 data",
      lambda f: f[P_PARAM].attrs.__setitem__(schema.ATTR_TORCH_DTYPE, "bfloat16"), BROKEN),
-    ("torch_dtype unknown", lambda f: f[P_GRAD].attrs.__setitem__(schema.ATTR_TORCH_DTYPE, "os.system"), BROKEN),
-    ("torch_dtype a number", lambda f: f[P_AFTER].attrs.__setitem__(schema.ATTR_TORCH_DTYPE, 4), BROKEN),
+    ("torch_dtype unknown", lambda f: f[P_GRAD].attrs.__setitem__(schema.ATTR_TORCH_DTYPE, "os.system"), TENSORS_LAZY),
+    ("torch_dtype a number", lambda f: f[P_AFTER].attrs.__setitem__(schema.ATTR_TORCH_DTYPE, 4), TENSORS_LAZY),
     ("hparams JSON garbage at one record", lambda f: f[REC_HPARAMS].__setitem__(3, "{garbage"), LAZY),
     ("hparams JSON a number", lambda f: f[REC_HPARAMS].__setitem__(0, "17"), LAZY),
     ("hparams JSON list of numbers", lambda f: f[REC_HPARAMS].__setitem__(2, "[1, 2]"), LAZY),
@@ -378,7 +381,7 @@ STRUCTURE_MUTATIONS = [
     ("meta shape floats", lambda f: _set_meta(f, P, shape=[20.0, 64.5]), BROKEN),
     ("meta shape 10**30", lambda f: _set_meta(f, P, shape=[10 ** 30]), BROKEN),
     ("meta shape rank 40", lambda f: _set_meta(f, P, shape=[1] * 40), BROKEN),
-    ("meta shape transposed", lambda f: _set_meta(f, P, shape=[64, 20]), BROKEN),
+    ("meta shape transposed", lambda f: _set_meta(f, P, shape=[64, 20]), TENSORS_LAZY),
     # resized datasets
     ("records/step one row longer", lambda f: f[REC_STEP].resize((f[REC_STEP].shape[0] + 1,)), BROKEN),
     ("records/step shorter (fewer committed records)", lambda f: f[REC_STEP].resize((5,)), STILL_VALID),
@@ -392,9 +395,9 @@ STRUCTURE_MUTATIONS = [
     ("record index 2**40 rows", lambda f: f[P_RECORD].resize((BIG,)), BROKEN),
     ("record index padded with zeros", lambda f: f[P_RECORD].resize((30,)), BROKEN),
     ("record index shorter (fewer rows)", lambda f: f[P_RECORD].resize((7,)), STILL_VALID),
-    ("param rows fewer than records", lambda f: f[P_PARAM].resize(4, axis=0), BROKEN),
+    ("param rows fewer than records", lambda f: f[P_PARAM].resize(4, axis=0), TENSORS_LAZY),
     ("grad rows 2**40 (ignored beyond the records)", lambda f: f[P_GRAD].resize(BIG, axis=0), STILL_VALID),
-    ("state_present 2**40 columns", lambda f: f[P_PRESENT].resize(BIG, axis=1), BROKEN),
+    ("state_present 2**40 columns", lambda f: f[P_PRESENT].resize(BIG, axis=1), TENSORS_LAZY),
     ("state dataset shorter than its present rows",
      lambda f: f[last_state_key(f)].resize(2, axis=0),
      {"info": {0, 2}, "analyze": {0, 2}, "verify": {2}}),
@@ -422,8 +425,8 @@ STRUCTURE_MUTATIONS = [
     ("param as strings", lambda f: _replace_dataset(f, P_PARAM, np.array([b"x"] * 20)), BROKEN),
     ("param as compound", lambda f: _replace_dataset(
         f, P_PARAM, np.zeros((20, 20, 64), dtype=[("a", "f4"), ("b", "i4")])), BROKEN),
-    ("param trailing shape differs", lambda f: _replace_dataset(f, P_GRAD, f[P_GRAD][:, :, :10]), BROKEN),
-    ("state_present 1-D", lambda f: _replace_dataset(f, P_PRESENT, np.ones(20, "u1")), BROKEN),
+    ("param trailing shape differs", lambda f: _replace_dataset(f, P_GRAD, f[P_GRAD][:, :, :10]), TENSORS_LAZY),
+    ("state_present 1-D", lambda f: _replace_dataset(f, P_PRESENT, np.ones(20, "u1")), TENSORS_LAZY),
     ("a group where a dataset belongs", lambda f: (f.__delitem__(REC_WALL_TIME),
                                                    f.create_group(REC_WALL_TIME)), BROKEN),
     ("a dataset where a group belongs", lambda f: (f.__delitem__(P_STATE),
@@ -433,6 +436,17 @@ STRUCTURE_MUTATIONS = [
         REC_WALL_TIME, h5py.ExternalLink("/etc/hostname", "/x"))), BROKEN),
     ("a soft link loop", lambda f: (f.__delitem__(PARAMS), f.__setitem__(
         PARAMS, h5py.SoftLink(PARAMS))), BROKEN),
+    # a parameter's members are looked up in one pass over its group's links: each kind of link is still refused
+    ("record index a soft link", lambda f: (f.__delitem__(P_RECORD), f.__setitem__(P_RECORD, h5py.SoftLink(
+        f"/{REC_STEP}"))), BROKEN),
+    ("param an external link", lambda f: (f.__delitem__(P_PARAM), f.__setitem__(
+        P_PARAM, h5py.ExternalLink("/etc/hostname", "/x"))), BROKEN),
+    ("grad a soft link to param", lambda f: (f.__delitem__(P_GRAD), f.__setitem__(P_GRAD, h5py.SoftLink(
+        f"/{P_PARAM}"))), BROKEN),
+    ("state group an external link", lambda f: (f.__delitem__(P_STATE), f.__setitem__(
+        P_STATE, h5py.ExternalLink("/etc/hostname", "/s"))), BROKEN),
+    ("state_present a soft link", lambda f: (f.__delitem__(P_PRESENT), f.__setitem__(
+        P_PRESENT, h5py.SoftLink(f"/{P_RECORD}"))), BROKEN),
     # data only: still a valid run, verify sees the corruption
     ("param_after values changed", lambda f: f[P_AFTER].__setitem__(5, f[P_AFTER][5] * 1.5),
      {"info": {0}, "analyze": {0}, "verify": {1}}),
@@ -647,7 +661,7 @@ def test_dataset_too_large_to_read_in_one_block(tmp_path):
 
 def test_lazy_read_errors_name_the_file(tmp_path):
     """Damage found only when it is read: ParamRecord.read, state_at and hparams raise RunFileError naming the file;
-    caller errors (a bad row, an unknown kind) stay IndexError/KeyError."""
+    caller errors (a bad row, a name that is no kind) stay IndexError/ValueError."""
     path = _copy("adam.h5", str(tmp_path))
     with h5py.File(path, "r+") as f:
         _replace_dataset(f, P_GRAD, f[P_GRAD][()], chunks=(1, 20, 64), compression="gzip")
@@ -668,7 +682,7 @@ def test_lazy_read_errors_name_the_file(tmp_path):
             assert str(exc.value).startswith(path + ":") and "\n" not in str(exc.value)
         with pytest.raises(IndexError):
             p.read("grad", 99)
-        with pytest.raises(KeyError):
+        with pytest.raises(ValueError):  # not a kind at all: a caller error
             p.read("nothing")
         with pytest.raises(IndexError):
             run.optimizers[0].hparams(99)

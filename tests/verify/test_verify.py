@@ -18,7 +18,13 @@ from tests.harness.training import MLP, record_run, train_steps
 def test_every_sample_run_verifies(path):
     report = upd.verify(path)
     assert report.exit_code == EXIT_MATCH, report.summary()
-    assert report.mismatched == 0 and report.skipped == 0 and report.matched >= 20 * 4
+    assert report.mismatched == 0 and report.skipped == 0 and report.matched + report.inconclusive >= 20 * 4
+    # Only a step whose lr is too small to move a float32 weight by more than its rounding is inconclusive: the
+    # last step of the one-cycle schedule (lr 4e-8).
+    with upd.open_run(path) as run:
+        lrs = run.steps().set_index("step")["lr_group0"]
+    inconclusive = report.checks[report.checks["status"] == "inconclusive"]
+    assert (lrs[inconclusive["step"]] < 1e-6).all()
     # The next-step state comparison ran too, and both errors sit well inside the tolerance.
     assert report.checks["state_checked"].sum() >= 19 * 4
     assert report.checks["err_to_tol"].max() < 0.5

@@ -1,11 +1,13 @@
 """Update:data and grad:data ratios. Pure functions on tensors, plus the streaming DataFrame builder."""
 from __future__ import annotations
 
+import math
+
 import numpy as np
 import pandas as pd
 import torch
 
-from ..ratios import GRAD_TO_DATA, UPDATE_TO_DATA, grad_to_data, update_to_data
+from ..ratios import GRAD_TO_DATA, UPDATE_TO_DATA, grad_to_data, real_numbers, update_to_data
 from ..runfile import schema
 
 RATIO_TABLE_COLUMNS = ["optimizer", "param", "record", "step", "lr", "numel", "update_to_data", "grad_to_data",
@@ -15,14 +17,14 @@ RATIO_TABLE_COLUMNS = ["optimizer", "param", "record", "step", "lr", "numel", "u
 
 def row_std(x: torch.Tensor) -> torch.Tensor:
     """Unbiased std of each row of a (rows, ...) tensor, like torch.Tensor.std() on each recorded tensor."""
-    flat = x.reshape(x.shape[0], -1).double()
+    flat = real_numbers(x).reshape(x.shape[0], -1).double()
     if flat.shape[1] < 2:
         return torch.full((x.shape[0],), float("nan"), dtype=torch.float64)
     return flat.std(dim=1)
 
 
 def row_norm(x: torch.Tensor) -> torch.Tensor:
-    return x.reshape(x.shape[0], -1).double().norm(dim=1)
+    return real_numbers(x).reshape(x.shape[0], -1).double().norm(dim=1)
 
 
 def ratio_flags(numel: int, param_std, update_std, grad_nonfinite) -> list[str]:
@@ -71,6 +73,95 @@ def block_ratios(before: torch.Tensor | None, after: torch.Tensor | None, grad: 
     }
 
 
+# Elements per pass of the streaming sums: a few float64 temporaries of this size stay in the CPU cache.
+SUM_CHUNK = 1 << 15
+# A variance from sums whose mean^2 term cancels all but this fraction of the sum of squares is recomputed two-pass.
+CANCELLATION = 1e-6
+
+
+class Sums:
+    """Streaming count, sum and sum of squares of one tensor (float64), chunk by chunk: the std and the norm in one
+    pass over memory, without float64 copies of whole tensors."""
+
+    __slots__ = ("n", "s1", "s2", "nonfinite")
+
+    def __init__(self):
+        self.n, self.s1, self.s2, self.nonfinite = 0, 0.0, 0.0, 0
+
+    def add(self, x: torch.Tensor, count_nonfinite: bool = False) -> None:
+        s1, s2 = float(x.sum()), float(torch.dot(x, x))
+        self.n += x.numel()
+        self.s1 += s1
+        self.s2 += s2
+        if count_nonfinite and not (math.isfinite(s1) and math.isfinite(s2)):
+            self.nonfinite += int((~torch.isfinite(x)).sum())
+
+    def std(self) -> float:
+        """Unbiased std (torch.std), or None when the sums cancel too much to trust (recompute two-pass)."""
+        if self.n < 2:
+            return math.nan
+        centered = self.s2 - self.s1 * self.s1 / self.n
+        if not math.isfinite(centered):
+            return math.nan
+        if centered <= CANCELLATION * self.s2:
+            return None
+        return math.sqrt(centered / (self.n - 1))
+
+    def norm(self) -> float:
+        return math.sqrt(self.s2)
+
+
+def _row_sums(before, after, grad) -> tuple[Sums, Sums, Sums]:
+    """Sums of the parameter, the update (after - before) and the gradient of one recorded row (flat tensors in the
+    stored dtype, any of them None), chunk by chunk."""
+    out = (Sums(), Sums(), Sums())
+    size = next(t.numel() for t in (before, after, grad) if t is not None)
+    for lo in range(0, size, SUM_CHUNK):
+        part = slice(lo, lo + SUM_CHUNK)
+        b = before[part].double() if before is not None else None
+        if b is not None:
+            out[0].add(b)
+            if after is not None:
+                out[1].add(after[part].double().sub_(b))
+        if grad is not None:
+            out[2].add(grad[part].double(), count_nonfinite=True)
+    return out
+
+
+def _two_pass_std(x: torch.Tensor) -> float:
+    return float(x.double().std()) if x.numel() >= 2 else math.nan
+
+
+def _rows_ratios(p, rows: slice) -> dict[str, np.ndarray]:
+    """block_ratios for rows of a parameter read with ``read_part``: one read per kind for all the rows, then the
+    streaming sums of each row."""
+    kinds = (schema.KIND_PARAM, schema.KIND_PARAM_AFTER, schema.KIND_GRAD)
+    data = {k: (real_numbers(p.read_part(k, rows)).reshape(rows.stop - rows.start, -1) if k in p.kinds else None)
+            for k in kinds}
+    n = rows.stop - rows.start
+    cols = {c: np.full(n, np.nan) for c in ("param_std", "update_std", "grad_std", "param_norm", "update_norm",
+                                            "grad_norm")}
+    grad_nonfinite = np.zeros(n, np.int64)
+    for i in range(n):
+        before, after, grad = (data[k][i] if data[k] is not None else None for k in kinds)
+        if before is None and grad is None:
+            continue
+        sums = _row_sums(before, after if before is not None else None, grad)
+        for name, s, tensor in (("param", sums[0], before), ("update", sums[1], None), ("grad", sums[2], grad)):
+            if s.n == 0 and name != "update":
+                continue
+            if name == "update" and (before is None or after is None):
+                continue
+            std = s.std()
+            if std is None:  # nearly constant: the sums cancel; the exact two-pass std
+                exact = tensor if tensor is not None else after.double() - before.double()
+                std = _two_pass_std(exact)
+            cols[f"{name}_std"][i], cols[f"{name}_norm"][i] = std, s.norm()
+        grad_nonfinite[i] = sums[2].nonfinite
+    return {UPDATE_TO_DATA: update_to_data(cols["update_std"], cols["param_std"]),
+            GRAD_TO_DATA: grad_to_data(cols["grad_std"], cols["param_std"]), **cols, "grad_nonfinite": grad_nonfinite}
+
+
 def ratios_frame(run, block_bytes: int) -> pd.DataFrame:
     frames = []
     kinds = (schema.KIND_PARAM, schema.KIND_PARAM_AFTER, schema.KIND_GRAD)
@@ -78,10 +169,15 @@ def ratios_frame(run, block_bytes: int) -> pd.DataFrame:
         for p in opt.param_records.values():
             if p.num_rows == 0:
                 continue
-            for rows, block in p.iter_blocks(kinds, block_bytes):
-                n = rows.stop - rows.start
-                stats = block_ratios(block.get(schema.KIND_PARAM), block.get(schema.KIND_PARAM_AFTER),
-                                     block.get(schema.KIND_GRAD), n)
+            if hasattr(p, "read_part"):  # one file: rows read together, in the stored dtype, summed in chunks
+                per_read = max(1, block_bytes // (4 * 3 * max(1, p.numel)))
+                parts = ((rows, _rows_ratios(p, rows)) for rows in
+                         (slice(lo, min(lo + per_read, p.num_rows)) for lo in range(0, p.num_rows, per_read)))
+            else:  # a distributed job's stitched parameter
+                parts = ((rows, block_ratios(block.get(schema.KIND_PARAM), block.get(schema.KIND_PARAM_AFTER),
+                                             block.get(schema.KIND_GRAD), rows.stop - rows.start))
+                         for rows, block in p.iter_blocks(kinds, block_bytes))
+            for rows, stats in parts:
                 records = p.records[rows]
                 group = p.param_group if p.param_group is not None else 0
                 lrs = opt.learning_rates

@@ -16,6 +16,9 @@ SUMMARY_COLUMNS = ["optimizer", "param", "shape", "records", "latest_update_to_d
                    "status"]
 
 
+FLAGGED_STATUSES = ("HIGH", "LOW")
+
+
 @dataclass(frozen=True)
 class Thresholds:
     """Bounds on the median update:data ratio (log10) outside which a weight is flagged."""
@@ -57,12 +60,25 @@ def _finite_last(values: pd.Series) -> float:
     return float(finite.iloc[-1]) if len(finite) else float("nan")
 
 
+def model_order_keys(params: pd.DataFrame, ratios: pd.DataFrame | None = None) -> list[tuple[int, str]]:
+    """(optimizer, param) in model order: the order of ``run.params()`` (each optimizer's own order, which follows
+    the model's), then any key only `ratios` has, in its order. Tables and plots all use it, whatever the source
+    of the ratios (the statistics table lists parameters alphabetically)."""
+    keys = list(dict.fromkeys(zip(params["optimizer"], params["param"])))
+    if ratios is not None and len(ratios):
+        seen = set(keys)
+        keys += [k for k in dict.fromkeys(zip(ratios["optimizer"], ratios["param"])) if k not in seen]
+    return keys
+
+
 def summarize(ratios: pd.DataFrame, params: pd.DataFrame, thresholds: Thresholds = Thresholds()) -> pd.DataFrame:
-    """One row per parameter: latest and median ratios over all records, NaN/Inf gradient steps, and a status
-    (ok / HIGH / LOW / n/a) judged on the median update:data ratio."""
+    """One row per parameter, in model order: latest and median ratios over all records, NaN/Inf gradient steps,
+    and a status (ok / HIGH / LOW / n/a) judged on the median update:data ratio."""
     shapes = {(r.optimizer, r.param): tuple(r.shape) for r in params.itertuples()}
+    position = {k: i for i, k in enumerate(model_order_keys(params, ratios))}
     rows = []
-    for (opt, name), df in ratios.groupby(["optimizer", "param"], sort=False):
+    groups = ratios.groupby(["optimizer", "param"], sort=False)
+    for (opt, name), df in sorted(groups, key=lambda item: position[item[0]]):
         df = df.sort_values("record")
         median = _finite_median(df["update_to_data"])
         bad = df[df["grad_nonfinite"] > 0]
@@ -78,18 +94,21 @@ def summarize(ratios: pd.DataFrame, params: pd.DataFrame, thresholds: Thresholds
     return pd.DataFrame(rows, columns=SUMMARY_COLUMNS)
 
 
-_SHORT = {"latest_update_to_data": "update:data", "median_update_to_data": "median", "latest_grad_to_data": "grad:data",
-          "median_grad_to_data": "median ", "nonfinite_grad_steps": "NaN/Inf steps", "first_nonfinite_step": "first"}
+# The table's headers: the "latest" columns are the last recorded step's value (with a schedule decaying to 0 it
+# can sit far from the median), so the header says so.
+SUMMARY_HEADERS = {"latest_update_to_data": "update:data (last step)", "median_update_to_data": "(median)",
+                   "latest_grad_to_data": "grad:data (last step)", "median_grad_to_data": "(median) ",
+                   "nonfinite_grad_steps": "NaN/Inf steps", "first_nonfinite_step": "first"}
 
 
 def format_summary(summary: pd.DataFrame) -> str:
-    """The summary as an aligned text table, ratios to 2 decimals (update:data and grad:data are the latest
-    values, each followed by its median over all records)."""
+    """The summary as an aligned text table, ratios to 2 decimals: update:data and grad:data at the last recorded
+    step, each followed by its median over all records."""
     if summary.empty:
         return "(no recorded parameters)"
     shown = summary.drop(columns=["optimizer"]) if summary["optimizer"].nunique() == 1 else summary
     shown = shown.copy()
     shown["first_nonfinite_step"] = shown["first_nonfinite_step"].map(lambda v: "-" if v is None or v != v
                                                                       else str(int(v)))
-    shown = shown.rename(columns=_SHORT)
+    shown = shown.rename(columns=SUMMARY_HEADERS)
     return shown.to_string(index=False, float_format=lambda v: f"{v:.2f}", na_rep="nan")

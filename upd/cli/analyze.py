@@ -1,72 +1,150 @@
-"""`upd analyze RUN`: ratios, the summary that flags unhealthy weights, plots and tables."""
+"""`upd analyze RUN`: ratios, the summary that flags unhealthy weights, plots, tables and a shareable report.
+
+Every option is checked, and every output folder created, before the run is read: a typo must not cost a long
+analysis first."""
 from __future__ import annotations
 
+import dataclasses
+import importlib
 import os
 
 import click
 
-from ..analyzer.analyze import analyze as analyze_run
+from ..analyzer.analyze import SUMMARY_CSV, analyze as analyze_run
+from ..analyzer.clipping import clipping_lines
+from ..analyzer.report import verdict, write_report
 from ..analyzer.summary import Thresholds, format_summary
-from ..integrations.tensorboard import export_ratios
-from ..runfile.reader import open_run
+from ..integrations.tensorboard import INSTALL_HINT, export_tables
+from ..replay import ReplayRuleError
+from ..replay.engine import verify as verify_run
+from ..runfile.reader import frozen_params, open_run
+from ..outputs import write_csv
+from ..safe_text import terminal_safe, terminal_safe_frame
 from .common import RUN_ARG, fail
+from .verify import report_text
+
 
 def echo_analysis(result, thresholds: Thresholds) -> None:
-    click.echo(format_summary(result.summary))
-    flagged = result.flagged
-    bounds = f"[{thresholds.low:g}, {thresholds.high:g}]"
-    if len(flagged):
-        click.echo(f"\n{len(flagged)} weight(s) outside {bounds} (healthy near {thresholds.target:g}): "
-                   + ", ".join(f"{r.param} {r.status} ({r.median_update_to_data:.2f})" for r in flagged.itertuples()))
-    else:
-        click.echo(f"\nall weights within {bounds}")
+    safe = dataclasses.replace(result, summary=terminal_safe_frame(result.summary))  # names: the file's text
+    click.echo(format_summary(safe.summary))
+    click.echo("\n" + verdict(safe, thresholds))
+    for note in result.notes:
+        click.echo(terminal_safe(note))
+
+
+def frozen_lines(run) -> list[str]:
+    return [f"frozen (requires_grad=False; no gradient, not analyzed): {', '.join(frozen_params(opt))}"
+            for opt in run.optimizers if frozen_params(opt)]
+
+
+def tensorboard_problem() -> str | None:
+    """Why TensorBoard output cannot be written here (the package is missing), or None."""
+    try:
+        importlib.import_module("torch.utils.tensorboard")
+    except ImportError as exc:
+        return f"--tensorboard needs the tensorboard package ({exc}): {INSTALL_HINT}"
+    return None
+
+
+def make_parent(path: str, option: str) -> None:
+    """Create the folder an output file goes into, as --out creates its folder; one error line if impossible."""
+    folder = os.path.dirname(os.path.abspath(path))
+    try:
+        os.makedirs(folder, exist_ok=True)
+    except OSError as exc:
+        fail(f"{option} {path}: cannot create the folder {folder} ({exc.strerror or exc})")
+    if os.path.isdir(path):
+        fail(f"{option} {path}: is a folder; give a file name")
+
+
+def make_folder(path: str, option: str) -> None:
+    if os.path.exists(path) and not os.path.isdir(path):
+        fail(f"{option} {path}: exists and is not a folder")
+    try:
+        os.makedirs(path, exist_ok=True)
+    except OSError as exc:
+        fail(f"{option} {path}: cannot create the folder ({exc.strerror or exc})")
 
 
 @click.command()
 @RUN_ARG
-@click.option("--out", "out_dir", type=click.Path(file_okay=False), default=None,
+@click.option("--out", "out_dir", type=click.Path(), default=None,  # make_folder says what is wrong in one line
               help="Folder for the PNG plots and summary.csv (created if missing, never emptied). "
-                   "Default: RUN's name without .h5, plus '-analysis'.")
+                   "Default: RUN's name without .h5, plus '-analysis'. With --no-plots, summary.csv alone, and only "
+                   "when --out is given.")
 @click.option("--csv", "csv_path", type=click.Path(dir_okay=False), default=None,
-              help="Also write the full per-step ratio table (one row per parameter and step) to this CSV file.")
+              help="Also write the full per-step ratio table (one row per parameter and step) to this CSV file "
+                   "(its folder is created if missing).")
+@click.option("--html", "html_path", type=click.Path(dir_okay=False), default=None,
+              help="Also write one self-contained HTML report to this file: the figures, the summary table, the "
+                   "run's metadata (and the verify result with --verify). Opens in any browser, no server needed.")
+@click.option("--verify", "with_verify", is_flag=True,
+              help="Also replay the optimizer's math as `upd verify` does, print its summary and put its result in "
+                   "the --html report. The exit code stays analyze's.")
 @click.option("--high", type=float, default=Thresholds.high, show_default=True,
               help="Flag a weight whose median update:data ratio (log10) is above this.")
 @click.option("--low", type=float, default=Thresholds.low, show_default=True,
               help="Flag a weight whose median update:data ratio (log10) is below this.")
 @click.option("--step", "hist_step", type=int, default=None,
-              help="Optimizer step for the histograms (default: the last recorded step).")
+              help="Draw the histograms at this optimizer step alone (it needs a full-tensor record). Default: the "
+                   "first, middle and last full records, compared.")
 @click.option("--all-params", is_flag=True, help="Plot biases and norm scales too, not only weights (ndim >= 2).")
-@click.option("--no-plots", is_flag=True, help="Print the summary only; write no PNGs.")
+@click.option("--no-plots", is_flag=True, help="Draw no figures: print the summary (and write the tables asked for).")
 @click.option("--tensorboard", "tb_dir", type=click.Path(file_okay=False), default=None,
               help="Also export the ratios and norms as TensorBoard scalars to this log dir "
                    "(needs the tensorboard extra).")
-def analyze(run, out_dir, csv_path, high, low, hist_step, all_params, no_plots, tb_dir):
+def analyze(run, out_dir, csv_path, html_path, with_verify, high, low, hist_step, all_params, no_plots, tb_dir):
     """Compute update:data and grad:data ratios for every parameter and step of RUN.
 
-    Prints one line per parameter: latest and median log10(std(update)/std(weight)) and log10(std(grad)/std(weight)),
-    and a status for weights (ndim >= 2): ok near Karpathy's -3, HIGH above --high, LOW below --low. Writes
-    update_to_data.png, grad_to_data.png, grad_histograms.png, weight_histograms.png and summary.csv to --out.
+    Prints one line per parameter, in model order: log10(std(update)/std(weight)) and log10(std(grad)/std(weight))
+    at the last recorded step and their medians over all records, and a status for weights (ndim >= 2): ok near
+    Karpathy's -3, HIGH above --high, LOW below --low. Writes update_to_data.png and grad_to_data.png (a line per
+    weight, or a heatmap for more than ten, with the learning rate and the logged loss below),
+    grad_histograms.png, weight_histograms.png and summary.csv to --out. To compare runs: upd compare A B.
     """
     try:
         thresholds = Thresholds(high=high, low=low)
     except ValueError as exc:
         fail(str(exc))
+    if tb_dir and (problem := tensorboard_problem()):
+        fail(problem)
+    for path, option in ((csv_path, "--csv"), (html_path, "--html")):
+        if path:
+            make_parent(path, option)
+    if out_dir is None and not no_plots:
+        out_dir = os.path.splitext(run)[0] + "-analysis"
     with open_run(run) as r:
+        if out_dir is not None:
+            make_folder(out_dir, "--out")
         if r.live:
             click.echo(f"{run}: being written; analyzing the records committed so far\n")
-        if out_dir is None and not no_plots:
-            out_dir = os.path.splitext(run)[0] + "-analysis"
-        result = analyze_run(r, None if no_plots else out_dir, thresholds=thresholds, hist_step=hist_step,
-                             all_params=all_params)
+        try:
+            result = analyze_run(r, out_dir, thresholds=thresholds, hist_step=hist_step, all_params=all_params,
+                                 plots=not no_plots)
+        except ValueError as exc:  # a --step without a full record: checked before the ratios are computed
+            fail(f"--step: {exc}")
+        notes = clipping_lines(r) + frozen_lines(r)
+        scalars = r.scalars()
+        report = None
+        if with_verify:
+            try:
+                report = verify_run(r)
+            except ReplayRuleError as exc:
+                notes.append(f"verify could not run: {exc}")
+        description = r.describe() if html_path else None
     echo_analysis(result, thresholds)
+    for note in notes:
+        click.echo(terminal_safe(note))
+    if report is not None:
+        click.echo("\nverify: " + report_text(report))
     if csv_path:
-        result.ratios.to_csv(csv_path, index=False)
+        write_csv(result.ratios, csv_path)  # spreadsheet-safe cells, never written through a planted link
         click.echo(f"ratios table: {csv_path}")
     if tb_dir:
-        try:
-            count = export_ratios(result.ratios, tb_dir)
-        except ImportError as exc:
-            fail(str(exc))
+        count = export_tables(result.ratios, scalars, tb_dir)
         click.echo(f"TensorBoard: {count} scalars in {tb_dir}/ (tensorboard --logdir {tb_dir})")
-    if result.plots:
-        click.echo(f"plots and summary.csv in {out_dir}/")
+    if html_path:
+        write_report(html_path, result, description, thresholds=thresholds, notes=notes, verify_report=report)
+        click.echo(f"report: {html_path}")
+    if out_dir is not None:
+        click.echo(f"plots and {SUMMARY_CSV} in {out_dir}/" if result.plots else f"{SUMMARY_CSV} in {out_dir}/")

@@ -6,23 +6,26 @@ import sys
 
 import click
 
+from ..outputs import OutputError
 from ..replay.engine import EXIT_UNUSABLE
 from ..runfile.reader import RunFileError
+from ..safe_text import terminal_safe
 
 EXIT_CODES = """\b
 Exit codes:
   0  success (verify: every checked step matched)
   1  verify: at least one recorded update differs from the replay
   2  unusable input: missing or unreadable file, not a torch-upd run, bad option
-  3  verify: nothing verifiable (no replay rule for the optimizer, or what the
-     replay needs was not recorded)
+  3  verify: nothing verifiable (no replay rule for the optimizer, what the
+     replay needs was not recorded, or every check inconclusive: the
+     storage precision cannot tell the update from none)
   4  verify: a replay rule failed (raised an error: a bug in the rule, named
      with the step and parameter, not in the run file)
 """
 
 
 def fail(message: str, code: int = EXIT_UNUSABLE) -> None:
-    click.echo(f"upd: error: {message}", err=True)
+    click.echo(f"upd: error: {terminal_safe(message)}", err=True)  # it may quote the file: one safe line
     sys.exit(code)
 
 
@@ -31,10 +34,12 @@ class ErrorLineGroup(click.Group):
         # One clear line and exit 2 for a bad file, never a traceback; UPD_DEBUG=1 shows tracebacks of real bugs.
         try:
             return super().invoke(ctx)
-        except RunFileError as exc:
+        except (RunFileError, OutputError) as exc:
             fail(str(exc))
         except (click.exceptions.Exit, click.ClickException, click.Abort, SystemExit, KeyboardInterrupt):
             raise
+        except MemoryError:  # the reading budget keeps hostile files from this: a valid run too big for this machine
+            fail("not enough memory on this machine for this run (docs/reliability.md, \"The reading budget\")")
         except Exception as exc:
             if os.environ.get("UPD_DEBUG"):
                 raise

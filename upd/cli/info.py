@@ -1,14 +1,17 @@
 """`upd info RUN`: what a run file (or a distributed job) holds."""
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 from datetime import datetime, timezone
 
 import click
 
+from ..analyzer.clipping import summarize_clipping
 from ..runfile import schema
 from ..runfile.reader import open_run
+from ..safe_text import terminal_safe_data
 from .common import RUN_ARG
 
 @click.command()
@@ -21,9 +24,14 @@ def info(run, as_json):
     each parameter is spread over the ranks (sharded, a partition, replicated)."""
     with open_run(run) as r:
         desc = r.describe()
+        scalars = r.scalars()
+        desc["clipping"] = [dataclasses.asdict(s) | {"text": s.text()} for s in summarize_clipping(scalars)]
+        desc["scalars"] = {"names": [c for c in scalars.columns if c not in ("optimizer", "step", "wall_time")],
+                           "steps": int(len(scalars))}
     if as_json:
-        click.echo(json.dumps(desc, indent=2))
+        click.echo(json.dumps(desc, indent=2))  # JSON escapes control characters itself
         return
+    desc = terminal_safe_data(desc)  # names, classes, versions, options: the file's text, shown escaped
     created = desc["created_unix"]
     when = datetime.fromtimestamp(created, timezone.utc).strftime("%Y-%m-%d %H:%M UTC") if created else "?"
     job = desc.get("job")
@@ -37,6 +45,8 @@ def info(run, as_json):
                    f"({rank_of.get('parallelism')}): this file holds that rank's part; the whole job: "
                    f"upd info {rank_of.get('job_path')}")
     click.echo(f"  recorded {when} with torch {desc['torch_version']}, upd {desc['upd_version']}")
+    if "closed_cleanly" in desc:
+        click.echo("  " + lifecycle_text(desc))
     opts = desc["options"]
     click.echo(f"  options: every={opts.get('every')} stats_every={opts.get('stats_every')} what={','.join(opts.get('what', []))} "
                f"dtype={opts.get('dtype')} compression={opts.get('compression')}"
@@ -58,5 +68,29 @@ def info(run, as_json):
             where = f"  {p['layout']} on ranks {','.join(map(str, p['ranks']))}" if "layout" in p else ""
             click.echo(f"  {p['name']:<{width}}  {shape:>12}  {p['dtype'] or '?':>8}  group {p['group']}  "
                        f"{p['rows']:>5} rows  state: {','.join(p['state']) or '-'}{where}")
+        if opt.get("frozen"):
+            click.echo(f"  frozen (requires_grad=False when recording started; no gradient, no rows): "
+                       f"{', '.join(opt['frozen'])}")
+    if desc["scalars"]["steps"]:
+        click.echo(f"logged scalars at {desc['scalars']['steps']} steps: {', '.join(desc['scalars']['names'])} "
+                   "(run.scalars(), run.steps())")
+    for clipping in desc["clipping"]:
+        click.echo(clipping["text"])
     if desc["params_not_optimized"]:
         click.echo(f"model parameters in no optimizer: {', '.join(desc['params_not_optimized'])}")
+
+
+def lifecycle_text(desc: dict) -> str:
+    """Whether the run was closed by its recorder and how often it was resumed, from ``Run.describe()``."""
+    if desc["closed_cleanly"]:
+        text = "closed cleanly"
+    elif desc["live"]:
+        text = "still being written"
+    else:
+        text = "NOT closed cleanly (the recording process crashed or was killed; every committed record is readable)"
+    resumes = desc.get("resumes") or []
+    if resumes:
+        times = [datetime.fromtimestamp(r["created_unix"], timezone.utc).strftime("%Y-%m-%d %H:%M")
+                 for r in resumes if isinstance(r.get("created_unix"), (int, float))]
+        text += f"; resumed {len(resumes)} time(s)" + (f" ({', '.join(times)} UTC)" if times else "")
+    return text

@@ -10,8 +10,10 @@ import click
 from .. import __version__
 from .analyze import analyze
 from .common import EXIT_CODES, ErrorLineGroup
+from .compare import compare
 from .demo import demo
 from .info import info
+from .record import record
 from .verify import verify
 
 
@@ -25,8 +27,10 @@ def main():
     \b
       upd info RUN       what the run file holds
       upd analyze RUN    update:data and grad:data ratios, summary, plots
+      upd compare A B    runs side by side per weight (good vs bad init, lr A vs lr B)
       upd verify RUN     replay the optimizer's math against the recorded updates
       upd demo           train a small character-level model, record, analyze, verify
+      upd record RUN     record a training program without editing it: upd record RUN -- COMMAND
 
     RUN may still be being written: the commands then read a copy taken between two records, holding every
     record committed so far (see docs/format.md, "Live reading"). RUN may also be the path a distributed job was
@@ -34,7 +38,7 @@ def main():
     """
 
 
-for _command in (info, analyze, verify, demo):
+for _command in (info, analyze, verify, demo, record, compare):
     main.add_command(_command)
 
 

@@ -1,6 +1,7 @@
 """`upd verify RUN`: replay the optimizer's math against the recorded updates."""
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import sys
@@ -10,7 +11,20 @@ import click
 from ..replay import ReplayRuleError, load_plugins
 from ..replay.engine import EXIT_RULE_FAILED, verify as verify_run
 from ..replay.registry import check_tolerances
+from ..outputs import write_csv
+from ..safe_text import terminal_safe, terminal_safe_frame
+from ..runfile.reader import frozen_params, open_run
 from .common import RUN_ARG, fail
+
+
+def report_text(report) -> str:
+    """report.summary() with every string from the file in it (names, notes, problems) escaped for the terminal:
+    escaped one by one, so that a name holding a newline cannot add a line of its own."""
+    return dataclasses.replace(report, path=terminal_safe(report.path), checks=terminal_safe_frame(report.checks),
+                               problems=[terminal_safe(p) for p in report.problems],
+                               precision_notes=[terminal_safe(n) for n in report.precision_notes],
+                               params_not_optimized=[terminal_safe(n) for n in report.params_not_optimized]).summary()
+
 
 @click.command()
 @RUN_ARG
@@ -21,10 +35,13 @@ from .common import RUN_ARG, fail
 @click.option("--csv", "csv_path", type=click.Path(dir_okay=False), default=None,
               help="Write every check (one row per parameter and step) to this CSV file.")
 @click.option("--rules", "rule_modules", multiple=True, metavar="MODULE",
-              help="Import MODULE first: it registers replay rules for your own optimizers with "
-                   "upd.replay.register (repeatable). Installed packages can instead declare an entry point in "
-                   "the 'torch_upd.replay_rules' group, which is always loaded.")
-def verify(run, rtol, ulps, as_json, csv_path, rule_modules):
+              help="Import MODULE first (found from the current directory too, as with python -m): it registers "
+                   "replay rules for your own optimizers with upd.replay.register (repeatable). Installed packages "
+                   "can instead declare an entry point in the 'torch_upd.replay_rules' group, which is always "
+                   "loaded.")
+@click.option("--jobs", "-j", type=click.IntRange(min=1), default=1, show_default=True,
+              help="Worker processes sharing the parameters (one core each).")
+def verify(run, rtol, ulps, as_json, csv_path, rule_modules, jobs):
     """Replay the optimizer's math for every recorded step of RUN and compare with the recorded update.
 
     Each step is recomputed in float64 from the recorded parameter, gradient, optimizer state and param-group
@@ -42,22 +59,28 @@ def verify(run, rtol, ulps, as_json, csv_path, rule_modules):
         check_tolerances(rtol, ulps)
     except ValueError as exc:
         fail(f"--{exc}")
+    if "" not in sys.path and os.getcwd() not in sys.path:
+        # `python -m upd` puts the current directory first on sys.path; the console script does not. --rules
+        # MODULE finds a module next to the user either way.
+        sys.path.insert(0, os.getcwd())
     try:
         load_plugins(rule_modules)
     except Exception as exc:
         fail(f"could not load replay rules: {type(exc).__name__}: {exc}")
     try:
-        report = verify_run(run, rtol=rtol, ulps=ulps)
+        report = verify_run(run, rtol=rtol, ulps=ulps, jobs=jobs, rule_modules=rule_modules)
     except ReplayRuleError as exc:
         if os.environ.get("UPD_DEBUG"):
             raise
         fail(f"{exc} (set UPD_DEBUG=1 for the rule's traceback)", EXIT_RULE_FAILED)
     if csv_path:
-        report.checks.to_csv(csv_path, index=False)
+        write_csv(report.checks, csv_path)  # spreadsheet-safe cells, never written through a planted link
     if as_json:
         by_param = report.by_param()
-        click.echo(json.dumps({"path": report.path, "live": report.live, "exit_code": report.exit_code, "matched": report.matched,
-                               "mismatched": report.mismatched, "skipped": report.skipped,
+        click.echo(json.dumps({"path": report.path, "live": report.live, "exit_code": report.exit_code,
+                               "matched": report.matched, "mismatched": report.mismatched,
+                               "inconclusive": report.inconclusive,
+                               "skipped": report.skipped,
                                "problems": report.problems, "precision_notes": report.precision_notes,
                                "params_not_optimized": report.params_not_optimized,
                                "mismatches": json.loads(report.checks[report.checks["status"] == "mismatch"]
@@ -67,12 +90,23 @@ def verify(run, rtol, ulps, as_json, csv_path, rule_modules):
         by_param = report.by_param()
         if len(by_param):
             cols = ["param", "checked", "mismatched", "err_to_tol", "update_rel_err", "first_mismatch_step", "result"]
+            if report.inconclusive:
+                cols.insert(cols.index("mismatched") + 1, "inconclusive")
             if "first_mismatch_rank" in by_param:  # a distributed job
                 cols.insert(cols.index("first_mismatch_step") + 1, "first_mismatch_rank")
             if report.checks["optimizer"].nunique() > 1:
                 cols.insert(0, "optimizer")
-            shown = by_param[cols].astype(object).where(by_param[cols].notna(), "-")
+            shown = terminal_safe_frame(by_param[cols].astype(object).where(by_param[cols].notna(), "-"))
             click.echo(shown.to_string(index=False, formatters={
                 c: (lambda v: v if isinstance(v, str) else f"{v:.2g}") for c in ("err_to_tol", "update_rel_err")}))
-        click.echo(report.summary())
+        click.echo(report_text(report))
+        for line in frozen_lines(run):
+            click.echo(terminal_safe(line))
     sys.exit(report.exit_code)
+
+
+def frozen_lines(path) -> list[str]:
+    """One line per optimizer that held parameters with requires_grad=False: they have nothing to verify."""
+    with open_run(path) as r:
+        return [f"frozen (requires_grad=False; no gradient, not verified): {', '.join(frozen_params(opt))}"
+                for opt in r.optimizers if frozen_params(opt)]

@@ -145,6 +145,7 @@ def train(path, *, steps: int = 300, init: str = "good", seed: int = 0, batch_si
                 loss = F.cross_entropy(model(Xtr[ix]), Ytr[ix])
                 optimizer.zero_grad(set_to_none=True)
                 loss.backward()
+                rec.log(loss=loss)  # drawn under the ratios by upd analyze
                 optimizer.step()
                 losses.append(loss.item())
                 if log is not None and (i % max(1, steps // 10) == 0 or i == steps - 1):

@@ -5,10 +5,12 @@
     sink.close()
 
     export_ratios(upd.open_run("run.h5").ratios(), "runs/tb")   # a finished run, same tags
+    export_run(upd.open_run("run.h5"), "runs/tb")                # the ratios and the logged scalars
 
 Tags are ``<column>/<param>`` for the columns in ``TAGS`` (TensorBoard groups them into one section per column),
-at ``global_step=step``. Missing and non-finite values (a one-element parameter's std, a zero update's log10) are
-skipped, never written as NaN/inf. tensorboard itself is imported only when a writer has to be created from a path.
+at ``global_step=step``; logged scalars (``rec.log``, the total gradient norms) are ``scalars/<name>``. Missing
+and non-finite values (a one-element parameter's std, a zero update's log10) are skipped, never written as NaN/inf.
+tensorboard itself is imported only when a writer has to be created from a path.
 
 In a distributed job the recorder writes from rank 0 alone, the whole parameters' values: where each rank holds a
 part of the model, ``upd.recorder.job_scalars`` combines the ranks' statistics of the kinds these TAGS are made of.
@@ -21,8 +23,10 @@ from typing import Mapping
 
 # The columns written, in this order, each as "<column>/<param>".
 TAGS = ("update_to_data", "grad_to_data", "update_norm", "grad_norm", "param_norm")
+SCALARS_SECTION = "scalars"  # logged scalars are "scalars/<name>" (optimizer k > 0: "scalars/opt<k>:<name>")
 
-INSTALL_HINT = 'pip install "torch-upd[tensorboard]"'
+# Works before torch-upd itself is installed from a clone, where "torch-upd[tensorboard]" cannot be resolved.
+INSTALL_HINT = 'pip install tensorboard, or from a clone of torch-upd: pip install ".[tensorboard]"'
 
 # TensorBoard stores scalars as float32 (simple_value): a larger finite double would be written as inf.
 _FLOAT32_MAX = 3.4028234663852886e38
@@ -90,6 +94,21 @@ class TensorBoardSink:
                 written += 1
         return written
 
+    def write_scalars(self, step: int, values: Mapping[str, float], prefix: str = "",
+                      walltime: float | None = None) -> int:
+        """Write one step's logged scalars as ``scalars/<prefix><name>``; non-finite values are skipped. Returns the
+        number written."""
+        if self.closed:
+            raise ValueError("TensorBoardSink is closed")
+        written = 0
+        for name, raw in values.items():
+            value = _finite(raw)
+            if value is not None:
+                self.writer.add_scalar(f"{SCALARS_SECTION}/{prefix}{name}", value, global_step=int(step),
+                                       walltime=walltime)
+                written += 1
+        return written
+
     def flush(self) -> None:
         flush = getattr(self.writer, "flush", None)
         if callable(flush):
@@ -116,6 +135,42 @@ class TensorBoardSink:
         return f"<TensorBoardSink {where}{' (closed)' if self.closed else ''}>"
 
 
+def export_run(run, target) -> int:
+    """Write a finished run to TensorBoard as the live recorder would have: its ratios (``run.ratios()``) and its
+    logged scalars (``run.scalars()``). Returns the number of scalars written."""
+    return export_tables(run.ratios(), run.scalars(), target)
+
+
+def export_tables(ratios, scalars, target) -> int:
+    """Write a ratios table and a logged-scalars table to one TensorBoard writer; returns the scalars written."""
+    sink = target if isinstance(target, TensorBoardSink) else TensorBoardSink(target)
+    try:
+        return export_ratios(ratios, sink) + export_scalars(scalars, sink)
+    finally:
+        if sink is not target:
+            sink.close()
+
+
+def export_scalars(scalars, target) -> int:
+    """Write a logged-scalars table (``Run.scalars()``) to TensorBoard, tags as the live recorder writes them."""
+    missing = [c for c in ("optimizer", "step") if c not in scalars.columns]
+    if missing:
+        raise ValueError(f"not a scalars table: missing column(s) {', '.join(missing)}")
+    sink = target if isinstance(target, TensorBoardSink) else TensorBoardSink(target)
+    names = [c for c in scalars.columns if c not in ("optimizer", "step", "wall_time")]
+    written = 0
+    try:
+        walls = scalars["wall_time"].tolist() if "wall_time" in scalars.columns else [None] * len(scalars)
+        for optimizer, step, wall, values in zip(scalars["optimizer"].tolist(), scalars["step"].tolist(), walls,
+                                                 scalars[names].to_numpy(dtype=float).tolist()):
+            written += sink.write_scalars(int(step), dict(zip(names, values)),
+                                          prefix=f"opt{int(optimizer)}:" if int(optimizer) else "", walltime=wall)
+    finally:
+        if sink is not target:
+            sink.close()
+    return written
+
+
 def export_ratios(ratios, target) -> int:
     """Write a finished run's ratios table (``Run.ratios()``) to TensorBoard; returns the number of scalars written.
 
@@ -126,7 +181,7 @@ def export_ratios(ratios, target) -> int:
     missing = [c for c in ("optimizer", "param", "step") if c not in ratios.columns]
     if missing:
         raise ValueError(f"not a ratios table: missing column(s) {', '.join(missing)}")
-    sink = TensorBoardSink(target)
+    sink = target if isinstance(target, TensorBoardSink) else TensorBoardSink(target)
     written = 0
     try:
         if len(ratios):
@@ -138,5 +193,6 @@ def export_ratios(ratios, target) -> int:
                     stats[name] = dict(zip(columns, values))
                 written += sink.write(int(step), stats)
     finally:
-        sink.close()
+        if sink is not target:
+            sink.close()
     return written

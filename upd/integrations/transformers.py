@@ -10,8 +10,11 @@ wrapper, so the recorder attaches in ``on_train_begin`` to the ``torch.optim.Opt
 where the recorder's step hooks see their result. In a distributed job the callback makes the same ``upd.record``
 call on every process; its ``ranks=`` rules decide which ones write (rank 0 alone for replicated training).
 
-The Trainer's own logs (``state.log_history``: loss, learning_rate, grad_norm, ...) are stored in the run's root
-attribute ``trainer_logs`` when training ends. transformers is imported here only, and only this module needs it.
+The Trainer's own logs (loss, learning_rate, grad_norm, epoch, ...: every number of each ``on_log``) are logged
+into the run like ``rec.log(..., after_step=True)``: they belong to the optimizer step just completed, and
+``run.steps()`` and ``run.scalars()`` show them. ``trainer_logs`` reads them back as the Trainer's ``log_history``
+(also from runs written before, which kept it in the root attribute ``trainer_logs``). transformers is imported
+here only, and only this module needs it.
 """
 from __future__ import annotations
 
@@ -23,10 +26,12 @@ import pandas as pd
 import torch
 
 from ..recorder import Recorder, RecorderWarning, record
-from ..runfile import encoding, schema
+from ..recorder.logged_scalars import name_problem, scalar_problem
+from ..runfile import schema
 from ..runfile.reader import open_run
 
-INSTALL_HINT = 'pip install "torch-upd[transformers]"'
+# Works before torch-upd itself is installed from a clone, where "torch-upd[transformers]" cannot be resolved.
+INSTALL_HINT = 'pip install transformers accelerate, or from a clone of torch-upd: pip install ".[transformers]"'
 DEFAULT_FILE = "upd-run.h5"  # inside TrainingArguments.output_dir
 
 try:
@@ -82,7 +87,7 @@ class UpdCallback(_CallbackBase):
         return self.path if self.path is not None else os.path.join(args.output_dir, DEFAULT_FILE)
 
     def on_train_begin(self, args, state, control, model=None, optimizer=None, **kwargs):
-        self._close(None)  # an earlier train() that raised never reached on_train_end
+        self._close()  # an earlier train() that raised never reached on_train_end
         path = self.run_path(args)
         try:
             self.recorder = record(path, model, torch_optimizer(optimizer), **self.record_options)
@@ -93,31 +98,35 @@ class UpdCallback(_CallbackBase):
                           f"{exc}); training continues without recording. Pass strict=True to raise instead.",
                           RecorderWarning, stacklevel=2)
 
-    def on_train_end(self, args, state, control, **kwargs):
-        self._close(state.log_history)
-
-    def _close(self, log_history) -> None:
-        rec, self.recorder = self.recorder, None
-        if rec is None:
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        rec = self.recorder
+        if rec is None or not logs:
             return
-        try:
-            if log_history and rec.active:
-                # Written once, at the end: rewriting a growing JSON attribute at every log would leave the
-                # file's heap full of dead copies.
-                rec._writer.set_attr(schema.ATTR_TRAINER_LOGS, encoding.jsonable(list(log_history)))
-        except Exception as exc:
-            if self.record_options.get("strict", False):
-                rec.close()
-                raise
-            warnings.warn(f"torch-upd: cannot store the Trainer's logs in {rec.path} ({type(exc).__name__}: "
-                          f"{exc}); the recorded steps stay readable.", RecorderWarning, stacklevel=3)
-        rec.close()
+        # Every number the Trainer logged, after the optimizer step it reports on (state.global_step steps done).
+        # A name rec.log refuses (a key column such as "step") is left out rather than stop the logging.
+        values = {name: value for name, value in logs.items()
+                  if name_problem(str(name)) is None and scalar_problem(value) is None}
+        if values:
+            rec.log(after_step=True, **values)
+
+    def on_train_end(self, args, state, control, **kwargs):
+        self._close()
+
+    def _close(self) -> None:
+        rec, self.recorder = self.recorder, None
+        if rec is not None:
+            rec.close()
 
 
 def trainer_logs(run_or_path) -> pd.DataFrame:
-    """What the Trainer logged during a recorded run (its ``state.log_history``): one row per log call, columns
-    ``step`` and whatever was logged (``loss``, ``learning_rate``, ``grad_norm``, ``epoch``, ...; NaN where a call
-    did not log that name). Empty for a run recorded without UpdCallback. Accepts an open run or job, or a path."""
+    """What the Trainer logged during a recorded run (its ``state.log_history``): one row per logged step, columns
+    ``step`` (the Trainer's ``global_step``: optimizer steps done) and whatever was logged (``loss``,
+    ``learning_rate``, ``grad_norm``, ``epoch``, ...; NaN where a call did not log that name). Empty for a run
+    recorded without UpdCallback. Accepts an open run or job, or a path.
+
+    Runs recorded by earlier versions kept the log history in the root attribute ``trainer_logs``: read from
+    there. Now the logs are the run's logged scalars (``run.scalars()``, whose ``step`` is the recorder's: one less
+    than the Trainer's ``global_step``), less the recorder's own total gradient norms."""
     if isinstance(run_or_path, (str, os.PathLike)):
         with open_run(run_or_path) as run:
             return trainer_logs(run)
@@ -126,10 +135,23 @@ def trainer_logs(run_or_path) -> pd.DataFrame:
     if isinstance(ranks, dict):  # a job: every recording rank stored the same logs
         return trainer_logs(ranks[min(ranks)]) if ranks else pd.DataFrame(columns=["step"])
     check = run._validator()
-    logs = check.json_attr(run._file, schema.ATTR_TRAINER_LOGS, "root", list, default=[], required=False)
+    logs = check.json_attr(run._file, schema.ATTR_TRAINER_LOGS, "root", list, default=None, required=False)
+    if logs is None:
+        return _logged_by_trainer(run)
     if not all(isinstance(entry, dict) for entry in logs):
         raise check.fail("root", f"attribute '{schema.ATTR_TRAINER_LOGS}' is not a JSON list of objects")
     table = pd.DataFrame(logs)
     if "step" not in table:
         table["step"] = pd.Series(dtype="int64")
     return table[["step"] + [c for c in table.columns if c != "step"]]
+
+
+def _logged_by_trainer(run) -> pd.DataFrame:
+    """trainer_logs() of a run whose callback logged into the scalars table: its rows, steps as the Trainer counts."""
+    scalars = run.scalars()
+    scalars = scalars[scalars["optimizer"] == 0] if len(scalars) else scalars
+    names = [c for c in scalars.columns
+             if c not in ("optimizer", "step", "wall_time") and c not in schema.RECORDER_SCALARS]
+    table = scalars[["step", *names]].dropna(subset=names, how="all") if names else pd.DataFrame(columns=["step"])
+    table = table.assign(step=table["step"] + 1)  # the Trainer's global_step counts the steps done
+    return table.reset_index(drop=True)

@@ -1,14 +1,26 @@
 """Per-step summary statistics, computed where the tensors live, with one device-to-host copy per step.
 
-Every function here only launches device work; nothing calls .item()/.cpu() except ``to_host``, which
-``StepStatistics.read`` calls once per recorded step on the stacked result of all parameters. A step whose tensors
-hold NaN/Inf pays one more copy, to count them exactly (see ``count_nonfinite``).
+Every function here only launches device work; nothing calls .item()/.cpu() except ``to_host``, which a step's
+``read`` calls once per recorded step on the stacked result of all parameters. A step whose tensors hold NaN/Inf
+pays one more copy, to count them exactly (see ``count_nonfinite``).
+
+Two sets, two costs (docs/performance.md has the measurements):
+
+* The **lean set** (``LeanStep``, the default at every statistics step): mean, std, norm and NaN/Inf count of each
+  parameter, its gradient and its update, so update:data and grad:data. Two reductions per tensor (a sum and a sum
+  of squares), the parameter snapshot copied into buffers kept between steps (``SnapshotPool``), the update formed
+  in place in them, and every tensor of up to ``SMALL_LIMIT`` elements reduced together from zero-padded float64
+  buckets (a few ops for all of them, whatever their number). That costs less than the hand-written loop it
+  replaces (a clone and two ``std()`` per weight), on a transformer, a wide MLP and a tiny model alike.
+* The **full set** (``StepStatistics``, every ``full_stats_every``-th step): also abs max, fractions of exact
+  zeros, and the same statistics of every optimizer-state tensor; four passes per tensor.
 """
 from __future__ import annotations
 
 import math
 from typing import Callable, Sequence
 
+import numpy as np
 import torch
 
 from ..ratios import GRAD_TO_DATA, UPDATE_TO_DATA, grad_to_data, update_to_data
@@ -197,6 +209,9 @@ class StepStatistics:
                recount: Callable[[], list] | None = None) -> None:
         """Launch the statistics of `tensors`. `recount` gives, at read time, the tensors in which a flagged NaN/Inf
         is counted (None for one no longer available); by default these same tensors, held until then."""
+        from .snapshots import wait_for_copies  # a full step's statistics read the host copies: they must be there
+
+        wait_for_copies()
         self._rows.append(stats_rows(tensors, [kind.split(".")[0] in self._zero_counts for _, kind in keys]))
         self._keys += keys
         self._recount.append(tensors if recount is None else recount)
@@ -218,3 +233,204 @@ class StepStatistics:
             values[UPDATE_TO_DATA] = float(update_to_data(values.get("update_std", float("nan")), p_std))
             values[GRAD_TO_DATA] = float(grad_to_data(values.get("grad_std", float("nan")), p_std))
         return out
+
+
+# -- the lean set: the default at every statistics step ------------------------------------------------------------
+LEAN_KINDS = ("param", "grad", "update")
+LEAN_STATS = ("mean", "std", "norm", "nonfinite")  # of each of LEAN_KINDS (names as in STATS)
+
+# Tensors of up to this many elements are reduced together from one flat buffer: a per-tensor reduction would cost
+# its dispatch (a few microseconds) and not its bytes. Larger ones get their own sum and norm, each in one pass.
+SMALL_LIMIT = 4096
+
+
+def lean_applies(params: list[torch.Tensor], grads: list) -> bool:
+    """Whether the lean set can take these tensors (local parts): dense real floating-point parameters with dense
+    gradients, all on one device. Anything else (sparse or complex tensors, a model split over devices, a step
+    without a gradient) gets the full set's general path."""
+    if not params:
+        return False
+    device = params[0].device
+    for p, g in zip(params, grads):
+        if g is None or p.layout in SPARSE_LAYOUTS or g.layout in SPARSE_LAYOUTS or not p.is_floating_point() \
+                or not g.is_floating_point() or p.device != device or g.device != device or g.shape != p.shape:
+            return False
+    return True
+
+
+class SnapshotPool:
+    """The buffers one optimizer's lean statistics reuse from step to step, so that no step allocates (a fresh clone
+    per tensor and step cost page faults and allocator work as well as the copy):
+
+    * small tensors (up to SMALL_LIMIT elements) live in float64 buckets, one per power-of-two width: a bucket is a
+      (2, count, width) buffer whose rows hold a parameter (row 0) and its gradient (row 1), zero-padded. A sum and
+      a norm along the last axis reduce a whole bucket in two vectorised ops, whatever its count, and float64 keeps
+      the one-pass std exact where |mean| >> std (norm-layer scales near 1 are small tensors);
+    * each large parameter gets a snapshot buffer of its own dtype.
+
+    Rebuilt when the parameters change (add_param_group, a swapped tensor, a new shape). Holds one copy of the
+    recorded parameters for the recorder's lifetime."""
+
+    def __init__(self):
+        self.key = None
+
+    def layout(self, live: list[torch.Tensor], params: list[torch.Tensor]) -> "SnapshotPool":
+        key = tuple((id(q), tuple(p.shape), p.dtype) for q, p in zip(live, params))
+        if key == self.key:
+            return self
+        device = params[0].device
+        sizes = [p.numel() for p in params]
+        widths: dict[int, list[int]] = {}
+        for i, n in enumerate(sizes):
+            if n <= SMALL_LIMIT:
+                widths.setdefault(max(32, 1 << max(0, n - 1).bit_length()), []).append(i)
+        self.buckets = []
+        self.small, self.param_views, self.grad_views = [], [], []
+        for width, members in sorted(widths.items()):
+            bucket = torch.zeros((2, len(members), width), dtype=torch.float64, device=device)
+            self.buckets.append(bucket)
+            for row, i in enumerate(members):
+                self.small.append(i)
+                self.param_views.append(bucket[0, row, :sizes[i]].view(params[i].shape))
+                self.grad_views.append(bucket[1, row, :sizes[i]].view(params[i].shape))
+        self.large = [i for i, n in enumerate(sizes) if n > SMALL_LIMIT]
+        self.buffers = [torch.empty(params[i].shape, dtype=params[i].dtype, device=device) for i in self.large]
+        self.numel = np.asarray(sizes, dtype=np.float64)
+        self.key = key
+        return self
+
+
+class LeanStep:
+    """The lean statistics of one step: ``LeanStep(pool, names, live)`` before the step launches the parameters' and
+    gradients' sums and copies the parameters into the pool; ``read()`` after it forms the updates in place, reduces
+    them and brings everything to the host in one copy. Same result shape as ``StepStatistics.read``."""
+
+    def __init__(self, pool: SnapshotPool, names: list[str], live: list[torch.Tensor], params: list[torch.Tensor],
+                 grads: list[torch.Tensor]):
+        self.names = names
+        self.live = live  # the parameters themselves: their values after the step give the update
+        self.grads = grads
+        self.pool = pool.layout(live, params)
+        small, large = self.pool.small, self.pool.large
+        self.parts: list[torch.Tensor] = []  # what read() copies to the host, in a fixed order
+        if small:
+            # A few ops for all small tensors: two copies into the float64 buckets, a sum and a norm per bucket.
+            torch._foreach_copy_(self.pool.param_views, [params[i] for i in small])
+            torch._foreach_copy_(self.pool.grad_views, [grads[i] for i in small])
+            buckets = self.pool.buckets
+            self.parts.append(torch.cat([b.sum(2) for b in buckets], dim=1).reshape(-1))  # (2, k)
+            self.parts.append(torch.cat([torch.linalg.vector_norm(b, dim=2) for b in buckets], dim=1).reshape(-1))
+        reductions = []
+        for buffer, i in zip(self.pool.buffers, large):
+            p, g = params[i], grads[i]
+            buffer.copy_(p)
+            # Each tensor's passes run back to back, while it is still in the cache.
+            reductions += [p.sum(dtype=torch.float32), torch.linalg.vector_norm(p, dtype=torch.float32),
+                           g.sum(dtype=torch.float32), torch.linalg.vector_norm(g, dtype=torch.float32)]
+        if reductions:
+            self.parts.append(torch.stack(reductions).double())
+
+    def _after(self) -> list[torch.Tensor]:
+        local_part = _local_part()
+        return [local_part(q.detach()) for q in self.live]
+
+    def read(self) -> dict[str, dict[str, float]]:
+        pool, small, large = self.pool, self.pool.small, self.pool.large
+        after = self._after()
+        parts = list(self.parts)
+        if small:
+            # The snapshot becomes before - after = -update, in place: the sign is undone on the host.
+            torch._foreach_sub_(pool.param_views, [after[i] for i in small])
+            parts.append(torch.cat([b[0].sum(1) for b in pool.buckets]))
+            parts.append(torch.cat([torch.linalg.vector_norm(b[0], dim=1) for b in pool.buckets]))
+        reductions = []
+        for buffer, i in zip(pool.buffers, large):
+            buffer.sub_(after[i])
+            reductions += [buffer.sum(dtype=torch.float32), torch.linalg.vector_norm(buffer, dtype=torch.float32)]
+        if reductions:
+            parts.append(torch.stack(reductions).double())
+        host = torch.cat(parts).cpu().numpy() if parts else np.zeros(0)  # the one synchronisation of the step
+        columns = self._columns(*self._unpack(host))
+        out = {name: {} for name in self.names}
+        rows = list(out.values())
+        for column, values in columns.items():
+            for row, value in zip(rows, values.tolist()):
+                row[column] = value
+        return out
+
+    def _unpack(self, host: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(3, P) sums and (3, P) sums of squares of each parameter, its gradient and its update (LEAN_KINDS), from
+        the host copy (laid out as LeanStep.__init__ and read() launched them)."""
+        small, large = self.pool.small, self.pool.large
+        sums = np.empty((3, len(self.names)))
+        squares = np.empty((3, len(self.names)))
+        k, m = len(small), len(large)
+        at = 0
+
+        def take(size):
+            nonlocal at
+            at += size
+            return host[at - size:at]
+        if small:
+            sums[:2, small] = take(2 * k).reshape(2, k)  # of params, of gradients
+            squares[:2, small] = take(2 * k).reshape(2, k) ** 2
+        if large:
+            pre = take(4 * m).reshape(m, 4).T  # per tensor: param sum, norm, grad sum, norm
+            sums[:2, large], squares[:2, large] = pre[0::2], pre[1::2] ** 2
+        if small:
+            post = take(2 * k).reshape(2, k)  # of -update: sums, norms
+            sums[2, small], squares[2, small] = -post[0], post[1] ** 2
+        if large:
+            post = take(2 * m).reshape(m, 2).T
+            sums[2, large], squares[2, large] = -post[0], post[1] ** 2
+        return sums, squares
+
+    def _columns(self, sums: np.ndarray, squares: np.ndarray) -> dict[str, np.ndarray]:
+        n = self.pool.numel
+        with np.errstate(invalid="ignore", divide="ignore", over="ignore"):
+            mean = sums / n
+            std = np.sqrt(np.maximum(squares - sums * mean, 0.0) / (n - 1))
+            std[:, n < 2] = np.nan
+            norm = np.sqrt(squares)
+            # NaN propagates into the sum and Inf into the sum of squares: both finite means no NaN/Inf anywhere
+            # (but for a float32 overflow of the norm, which the exact count then clears).
+            flagged = ~(np.isfinite(sums) & np.isfinite(squares))
+            nonfinite = np.zeros_like(sums)
+            table = np.stack([mean, std, norm, nonfinite])  # (LEAN_STATS, LEAN_KINDS, P)
+            table[:, :, n == 0] = np.nan
+            flagged[:, n == 0] = False
+            if flagged.any():
+                self._count_nonfinite(flagged, table[LEAN_STATS.index("nonfinite")])
+            columns = {f"{kind}_{stat}": table[s, k] for k, kind in enumerate(LEAN_KINDS)
+                       for s, stat in enumerate(LEAN_STATS)}
+            columns[UPDATE_TO_DATA] = update_to_data(columns["update_std"], columns["param_std"])
+            columns[GRAD_TO_DATA] = grad_to_data(columns["grad_std"], columns["param_std"])
+        return columns
+
+    def _count_nonfinite(self, flagged: np.ndarray, counts: np.ndarray) -> None:
+        """Exact NaN/Inf counts of the flagged tensors ((LEAN_KINDS, P) masks, into `counts`), the rare path: one more
+        host copy. A parameter is counted after the step (its values before it are gone: the snapshot now holds the
+        update); its update from the snapshot; its gradient as it is."""
+        pool = self.pool
+        small_position = {i: j for j, i in enumerate(pool.small)}
+        large_position = {i: j for j, i in enumerate(pool.large)}
+        after = self._after()
+        tensors, targets = [], []
+        for k, i in zip(*np.nonzero(flagged)):
+            kind = LEAN_KINDS[k]
+            if kind == "param":
+                t = after[i]
+            elif kind == "grad":
+                t = self.grads[i]
+            else:
+                t = pool.param_views[small_position[i]] if i in small_position else pool.buffers[large_position[i]]
+            tensors.append(torch.count_nonzero(~torch.isfinite(t)))
+            targets.append((k, i))
+        for (k, i), c in zip(targets, torch.stack(tensors).cpu().tolist()):
+            counts[k, i] = float(c)
+
+
+def _local_part():
+    """snapshots.local_part (a DTensor's local part), imported late: snapshots imports this module."""
+    from .snapshots import local_part
+    return local_part

@@ -15,6 +15,7 @@ import time
 import torch
 
 from ..runfile.record import Record
+from .snapshots import wait_for_copies
 
 NORM_HISTORY = 50  # steps whose norms make the "recent median" of the spike rule
 MIN_HISTORY = 5  # steps needed before a spike can be called at all
@@ -23,6 +24,7 @@ MIN_HISTORY = 5  # steps needed before a spike can be called at all
 def step_norms(rec: Record) -> tuple[float, float]:
     """L2 norms of the whole gradient and the whole update over all parameters (float64, of the CPU snapshots): a
     NaN/Inf anywhere makes the norm non-finite. 0.0 when there is nothing to measure."""
+    wait_for_copies()  # snapshots of CUDA tensors: their non_blocking copies must have landed
     grads = [s.grad for s in rec.params if s.grad is not None]
     updates = [s.param_after - s.param for s in rec.params if s.param is not None and s.param_after is not None]
     return _norm(grads), _norm(updates)
@@ -86,7 +88,7 @@ class FlightRecorder:
             self._writer.write(dataclasses.replace(rec, full=selected))
             if selected:
                 flight.written.append(rec.step)
-        flight.ring.append(dataclasses.replace(rec, stats=None, full=True))
+        flight.ring.append(dataclasses.replace(rec, stats=None, full=True, scalars=[]))  # scalars: written once
         grad_norm, update_norm = step_norms(rec)
         reason = trigger_reason(rec.step, grad_norm, update_norm, flight.norms, self.spike_factor)
         if math.isfinite(grad_norm) and math.isfinite(update_norm):

@@ -58,8 +58,7 @@ class ParamNames:
             name = without_compile_prefix(group["param_names"][index_in_group])
         if name is None:
             name = f"group{group_index}.param{index_in_group}"
-        # '/' separates HDF5 path components, so it cannot appear in a dataset name.
-        name = name.replace("/", "|")
+        # A '/' is kept: the writer escapes it in the file (schema.param_key) and readers show the name as it was.
         if name in self._by_id.values():
             name = f"{name}#{len(self._by_id)}"
         self._by_id[id(param)] = name

@@ -22,8 +22,10 @@ from ..runfile import encoding, schema
 from ..runfile.async_writer import AsyncRunWriter
 from ..runfile.record import ParamSnapshot, Record, ShardLayout, param_meta
 from . import distributed, job_scalars
-from .device_stats import StepStatistics, element_count
+from .device_stats import LeanStep, SnapshotPool, StepStatistics, element_count, lean_applies
 from .flight_recorder import FlightRecorder
+from .grad_norms import queue_after_backward, total_norm
+from .logged_scalars import HOST_BATCH_STEPS, kept, name_problem, scalar_problem, to_host
 from .job_scalars import JobScalars, Slot
 from .naming import ParamNames, is_selected, model_names, named_parameters, patterns, uncompiled
 from .resume import has_step_counter, initial_step, resume_problems
@@ -59,7 +61,7 @@ class _StepInProgress:
     params: list[_TrackedParam]
     selected: bool  # chosen by every= (with a flight recorder, full snapshots are kept for other steps too)
     closure: bool  # step(closure): the gradient exists only inside the step
-    stats: StepStatistics | None  # a statistics step: some launched before the step, the rest after it
+    stats: StepStatistics | LeanStep | None  # a statistics step: some launched before the step, the rest after it
 
 
 class Recorder:
@@ -71,10 +73,11 @@ class Recorder:
     def __init__(self, path, model=None, optimizer=None, *, every: int | None = 1, stats_every: int | None = None,
                  include=None, exclude=None, what: Sequence[str] = schema.WHAT_CHOICES, dtype: str = "keep",
                  compression=None, tensorboard=None, zero_counts: Sequence[str] = ("grad",),
+                 full_stats_every: int | None = 100,
                  flight_recorder: int | None = None,
                  spike_factor: float = 10.0, overwrite: bool = False, resume: bool = False, strict: bool = False,
                  ranks=None):
-        for label, cadence in (("every", every), ("stats_every", stats_every)):
+        for label, cadence in (("every", every), ("stats_every", stats_every), ("full_stats_every", full_stats_every)):
             if cadence is not None and (not isinstance(cadence, int) or isinstance(cadence, bool) or cadence < 1):
                 raise ValueError(f"{label} must be a positive integer or None, got {cadence!r}")
         if tensorboard is not None and stats_every is None:
@@ -106,6 +109,7 @@ class Recorder:
         self.optimizers: list[torch.optim.Optimizer] = []
         self.every = every
         self.stats_every = stats_every
+        self.full_stats_every = full_stats_every
         self.flight_recorder = flight_recorder
         self.strict = strict
         self.active = False
@@ -114,10 +118,27 @@ class Recorder:
         self._tensorboard = None  # the sink this rank writes to
         self._handles = []
         self._pending: dict[int, _StepInProgress] = {}
+        self._stats_pools: dict[int, SnapshotPool] = {}  # optimizer -> the lean statistics' snapshot buffers
         self._records = 0  # records written at the cadences (the flight recorder counts its dumps)
+        self._full_records = 0  # of those, full-tensor records
+        self._stats_steps = 0  # steps whose statistics were written
+        self._logged: dict[str, object] = {}  # rec.log() values waiting for the next optimizer step
+        self._scalar_rows: dict[int, list] = {}  # optimizer -> [(step, wall_time, {name: value})] not yet written
+        self._last_stepped: int | None = None  # the optimizer that completed a step last (rec.log(after_step=True))
+        self._backward_norms: dict[int, torch.Tensor] = {}  # optimizer -> total gradient norm after backward
+        self._norm_queued = False  # a callback at the end of the backward pass in progress is queued
+        self._step_scalars: dict[int, dict] = {}  # optimizer -> scalars the recorder measured in the step in progress
+        self._closure_evaluated_once: set[int] = set()  # optimizers whose step(closure) evaluated its closure
         self._job_scalars: JobScalars | None = None
 
+        if os.path.isdir(self.path):
+            raise IsADirectoryError(f"{self.path} is a directory; upd.record writes one file: pass a file path, "
+                                    f"e.g. {os.path.join(self.path, 'run.h5')}")
         try:
+            if optimizer is None and model is not None and _is_optimizer(model):
+                raise TypeError("the optimizer was passed as the model (upd.record's second argument); write "
+                                "upd.record(path, model, optimizer), or upd.record(path, "
+                                f"optimizer={_call_name(model)}) without a model")
             # Wrappers (Accelerate, Lightning) are looked through here; DDP and ZeRO by `distributed`, which
             # needs to see them to decide which ranks record.
             job_optimizers = attachable_optimizers(optimizer)
@@ -136,6 +157,14 @@ class Recorder:
         recording_here = self.rank_setup is None or self.rank_setup.records
         if recording_here and self.rank_setup:
             self.path = self.rank_setup.file
+        holder = _recording_to(self.path) if recording_here else None
+        if holder is not None:
+            # A notebook cell run again while its first recorder is still open: HDF5 would refuse the file with its
+            # own text and leave a dead recorder; say which recorder holds it instead.
+            self._cannot_record(RuntimeError(
+                f"{holder!r} in this process is still recording to this file; close it first (rec.close(), or "
+                "record inside `with upd.record(...)`), or record to another path"))
+            return
         self.optimizers = optimizers
         self.zero_counts = zero_counts
         self.spike_factor = spike_factor
@@ -164,6 +193,7 @@ class Recorder:
         except Exception as exc:
             self._cannot_record(exc)
             return
+        self._warn_if_nothing_selected(opt_metas)
 
         tensorboard_role = (distributed.TB_NONE if tensorboard is None else
                             distributed.tensorboard_role(self.rank_setup))
@@ -185,6 +215,7 @@ class Recorder:
             "created_unix": time.time(),
             "argv": list(sys.argv),
             "options": {"every": every, "stats_every": stats_every, "zero_counts": list(zero_counts),
+                        "full_stats_every": full_stats_every,
                         "flight_recorder": flight_recorder,
                         "spike_factor": spike_factor, "include": self.include, "exclude": self.exclude, "what": list(what),
                         "dtype": dtype, "compression": compression},
@@ -248,6 +279,18 @@ class Recorder:
         self.active = True
         lifetime.recorders.add(self)
 
+    def _warn_if_nothing_selected(self, opt_metas: list) -> None:
+        """include=/exclude= that match no parameter record no tensor: a typo ("*.wieght") would go unnoticed until
+        the run is analyzed, with nothing in it. Warned once, at setup, with the names there are."""
+        if not (self.include or self.exclude):
+            return
+        names = [p["name"] for meta in opt_metas for p in meta["params"]]
+        if names and not any(is_selected(name, self.include, self.exclude) for name in names):
+            shown = ", ".join(names[:8]) + (f", ... ({len(names)} in all)" if len(names) > 8 else "")
+            warnings.warn(f"torch-upd: include={self.include} exclude={self.exclude} match none of the parameters "
+                          f"({shown}): {self.path} will hold no parameter. Check the patterns (glob, on these "
+                          "names).", RecorderWarning, stacklevel=4)
+
     def _cannot_record(self, exc: Exception) -> None:
         """Setup found something it cannot record: the recorder stays inactive, with one warning (the exception
         itself with strict=True; called inside the ``except`` that caught it)."""
@@ -281,7 +324,10 @@ class Recorder:
     def _param_layout(self, opt_index: int, opt) -> list:
         """Name, shape and group of every parameter the optimizer holds now (resume compares against it)."""
         names = self._names[opt_index]
-        return [{"name": names.name(p, g, i, group), "shape": list(p.shape), "group": g}
+        # requires_grad=False: a frozen parameter the optimizer holds; it gets no gradient, hence no rows, and
+        # readers list it as frozen rather than let it vanish.
+        return [{"name": names.name(p, g, i, group), "shape": list(p.shape), "group": g,
+                 **({} if p.requires_grad else {"requires_grad": False})}
                 for g, group in enumerate(opt.param_groups) for i, p in enumerate(group["params"])]
 
     def _check_resume(self, index: int, opt, opt_meta: dict) -> None:
@@ -311,8 +357,58 @@ class Recorder:
 
         def count(_param, key=key):
             self._backward_counts[key] += 1
+            if not self._norm_queued and self.active and self.rank_setup is None:
+                self._norm_queued = queue_after_backward(self._backward_ended)
 
         self._handles.append(param.register_post_accumulate_grad_hook(eager(count)))
+
+    def add_earlier_backward_passes(self, counts: dict[int, int]) -> None:
+        """Backward passes counted before this recorder was made (``id(parameter) -> count``), added to its own
+        counts: ``upd record`` attaches at the first optimizer step, after the first backward passes."""
+        for key, count in counts.items():
+            if key in self._backward_counts:
+                self._backward_counts[key] += count
+
+    @eager
+    def _backward_ended(self) -> None:
+        """The end of a backward pass (an autograd callback, see grad_norms): the total gradient norm of each
+        optimizer whose next step is recorded, before anything between backward and step can change it."""
+        self._norm_queued = False
+        if self.active:
+            self._guard(self._measure_backward_norms)
+
+    def _measure_backward_norms(self) -> None:
+        for i, opt in enumerate(self.optimizers):
+            if any(self._cadence(self._steps_done[i])):
+                norm = total_norm(_gradients(opt))
+                if norm is not None:
+                    self._backward_norms[i] = norm
+
+    def _measure_step_norms(self, opt_index: int, optimizer: torch.optim.Optimizer) -> None:
+        """The total gradient norm as the step sees it, next to the one the last backward pass left (a clipped step
+        shows as the first smaller than the second); launched on the device, read with the step's scalars."""
+        if self.rank_setup is not None:
+            return  # a rank's gradients are a part, or not yet reduced when its backward pass ends
+        if not any(self._cadence(self._steps_done[opt_index])):
+            return  # a step the flight recorder keeps in memory only: it writes nothing while training is healthy
+        scalars = self._step_scalars.setdefault(opt_index, {})
+        backward = self._backward_norms.pop(opt_index, None)
+        if backward is not None:
+            scalars[schema.SCALAR_GRAD_NORM_BACKWARD] = backward
+        seen = total_norm(_gradients(optimizer))
+        if seen is not None:
+            scalars[schema.SCALAR_GRAD_NORM_AT_STEP] = seen
+
+    def _cadence(self, step: int) -> tuple[bool, bool]:
+        """(selected by every=, a statistics step) for an optimizer step."""
+        return (self.every is not None and step % self.every == 0,
+                self.stats_every is not None and step % self.stats_every == 0)
+
+    def _backward_passes(self, optimizer: torch.optim.Optimizer) -> int:
+        """Backward passes so far: the most any of the optimizer's parameters saw (a parameter without a gradient in
+        some passes saw fewer)."""
+        return max((self._backward_counts.get(id(p), 0) for g in optimizer.param_groups for p in g["params"]),
+                   default=0)
 
     # -- hooks ------------------------------------------------------------------------------------------------
     def _make_pre_hook(self, opt_index: int):
@@ -321,23 +417,27 @@ class Recorder:
                 return None
             # args is (optimizer, *step_args): a closure is step's first positional argument or `closure=`.
             closure = args[1] if len(args) > 1 else kwargs.get("closure")
+            self._step_scalars[opt_index] = {}
+            self._closure_evaluated_once.discard(opt_index)
+            if closure is None:
+                self._norm_queued = False  # a backward pass that raised never ran its callback: queue anew
             self._guard(self._before_step, opt_index, optimizer, closure is not None)
-            pending = self._pending.get(opt_index)
-            if closure is None or pending is None or not self.active:
+            if closure is None or not self.active:
                 return None
-            wrapped = self._wrap_closure(pending, closure)
+            wrapped = self._wrap_closure(opt_index, closure)
             if len(args) > 1:
                 return (args[0], wrapped, *args[2:]), kwargs
             return args, dict(kwargs, closure=wrapped)
         return eager(pre_hook)
 
-    def _wrap_closure(self, pending: _StepInProgress, closure):
-        """Closure-driven optimizers (LBFGS) compute the gradient inside step(): capture the gradient of the first
-        evaluation (at the parameters before the step) and every evaluation's loss."""
+    def _wrap_closure(self, opt_index: int, closure):
+        """Closure-driven optimizers (LBFGS, and Lightning's automatic optimization) compute the gradient inside
+        step(): capture the first evaluation's loss (at the parameters before the step) as the step's logged loss,
+        and at recorded steps its gradient, its total norms and every evaluation's loss."""
         @eager
         def record_evaluation(loss):
             if self.active:
-                self._guard(self._closure_evaluated, pending, loss)
+                self._guard(self._closure_evaluated, opt_index, loss)
 
         def recording_closure(*args, **kwargs):
             loss = closure(*args, **kwargs)  # the user's closure: compiled if the step is
@@ -345,11 +445,25 @@ class Recorder:
             return loss
         return recording_closure
 
-    def _closure_evaluated(self, pending: _StepInProgress, loss) -> None:
-        losses = pending.record.closure_losses
-        first = not losses
+    def _closure_evaluated(self, opt_index: int, loss) -> None:
+        first = opt_index not in self._closure_evaluated_once
+        self._closure_evaluated_once.add(opt_index)
         value = loss.detach() if isinstance(loss, torch.Tensor) else loss
+        scalars = self._step_scalars.setdefault(opt_index, {})
+        if first and value is not None and scalar_problem(value) is None:
+            scalars[schema.SCALAR_LOSS] = value  # read with the step's other scalars: no synchronisation here
+        pending = self._pending.get(opt_index)
+        if pending is None:
+            return
+        if first:
+            self._measure_step_norms(opt_index, self.optimizers[opt_index])
+        losses = pending.record.closure_losses
         losses.append(float(value) if value is not None else float("nan"))
+        if first:
+            # The step's gradient is the first evaluation's, and its backward pass ran inside step(), after the
+            # pre-hook counted: counted again here, or every step(closure) (Lightning's automatic optimization
+            # steps so) would read one backward pass short.
+            pending.record.backward_pass = self._backward_passes(self.optimizers[pending.record.optimizer])
         if first and "grad" in self.what and pending.record.full:
             for tracked in pending.params:
                 if tracked.live.grad is not None:
@@ -409,8 +523,13 @@ class Recorder:
         selected = self.every is not None and step % self.every == 0
         full = selected or self._flight is not None  # the flight recorder keeps every step in memory
         with_stats = self.stats_every is not None and step % self.stats_every == 0
+        # Statistics-only steps get the lean set, but every full_stats_every-th step the full set (device_stats).
+        lean = with_stats and not full and not closure_step and not (
+            self.full_stats_every is not None and step % self.full_stats_every == 0)
         if not (full or with_stats):
             return
+        if not closure_step:  # a closure's gradient exists only inside step(): measured at its first evaluation
+            self._measure_step_norms(opt_index, optimizer)
         params = []
         for g, group in enumerate(optimizer.param_groups):
             for i, p in enumerate(group["params"]):
@@ -419,7 +538,9 @@ class Recorder:
                 # closure the gradient appears only inside step(), so that is decided after the step.
                 if (p.grad is None and not closure_step) or not is_selected(name, self.include, self.exclude):
                     continue
-                if dtensor is not None:  # DTensor gradients and state are stored as the parameter's part
+                # DTensor gradients and state are stored as the parameter's part. Checked when the parameter or its
+                # gradient is one (optimizer state is made like the parameter): not per tensor of every model.
+                if dtensor is not None and (isinstance(p, dtensor) or isinstance(p.grad, dtensor)):
                     refuse_unlike_param(p.grad, p, f"the gradient of {name}")
                     for key, value in optimizer.state.get(p, {}).items():
                         refuse_unlike_param(value, p, f"optimizer state {key!r} of {name}")
@@ -433,15 +554,14 @@ class Recorder:
                         snap.grad = cpu_copy(p.grad)
                     if "state" in self.what:
                         snap.state = state_snapshot(optimizer.state.get(p, {}))
-                else:
+                elif not lean:
                     # Statistics only: the one snapshot the update needs, kept on the parameter's device and freed
-                    # after the step.
+                    # after the step (the lean set copies into buffers it keeps instead).
                     tracked.before = local_part(p.detach()).clone()
                 params.append(tracked)
-        backward = max((self._backward_counts.get(id(p), 0) for g in optimizer.param_groups for p in g["params"]),
-                       default=0)
-        stats = None
-        if with_stats:
+        backward = self._backward_passes(optimizer)
+        stats = self._lean_statistics(opt_index, params) if lean else None
+        if with_stats and stats is None:
             stats = StepStatistics(self.zero_counts)
             if not full:
                 self._launch_stats_before_step(stats, params, optimizer, closure_step)
@@ -476,8 +596,23 @@ class Recorder:
                                optimizer.state.get(live[name], {}).get(kind[len("state."):])) for name, kind in keys]
         stats.launch(keys, tensors, recount=after_the_step)
 
+    def _lean_statistics(self, opt_index: int, params: list[_TrackedParam]) -> LeanStep | None:
+        """The lean set launched before the step (device_stats.LeanStep); None where it does not apply, after taking
+        the snapshots the full set's path needs instead."""
+        live = [t.live for t in params]
+        parts = [local_part(p.detach()) for p in live]
+        grads = [local_part(p.grad) for p in live]
+        if lean_applies(parts, grads):
+            pool = self._stats_pools.setdefault(opt_index, SnapshotPool())
+            return LeanStep(pool, [t.snapshot.name for t in params], live, parts, grads)
+        for tracked, part in zip(params, parts):
+            tracked.before = part.clone()
+        return None
+
     def _step_statistics(self, pending: _StepInProgress) -> dict:
         """Summary statistics of every recorded parameter at this step, with one device-to-host copy in all."""
+        if isinstance(pending.stats, LeanStep):
+            return pending.stats.read()
         full = pending.record.full
         keys, tensors, update_keys, updates = [], [], [], []
         for tracked in pending.params:
@@ -503,9 +638,14 @@ class Recorder:
         return pending.stats.read()
 
     def _after_step(self, opt_index: int, optimizer: torch.optim.Optimizer) -> None:
+        step = self._steps_done[opt_index]
         self._steps_done[opt_index] += 1
+        self._last_stepped = opt_index
         pending = self._pending.pop(opt_index, None)
+        self._queue_scalars(opt_index, step, pending.record.wall_time if pending is not None else time.time())
         if pending is None:
+            if len(self._scalar_rows.get(opt_index, ())) >= HOST_BATCH_STEPS:
+                self._write_scalars(opt_index)
             return
         rec = pending.record
         if pending.closure and "grad" in self.what and rec.full:
@@ -525,6 +665,15 @@ class Recorder:
                 t.snapshot.param_after = cpu_copy(t.live) if "param" in self.what else None
         selected = pending.selected
         del pending  # statistics only: the device snapshots are released now, before the writer may block
+        if selected:  # a full record is written now, its tensors copied to the host: the scalars go with it
+            rec.scalars = self._scalars_on_host(opt_index)
+        elif len(self._scalar_rows.get(opt_index, ())) >= HOST_BATCH_STEPS:
+            # A statistics step read its one host copy already: the scalars wait for a full record, or until
+            # HOST_BATCH_STEPS steps wait (one more copy per that many steps, of a device that is idle by now).
+            if rec.stats is not None:
+                rec.scalars = self._scalars_on_host(opt_index)
+            else:
+                self._write_scalars(opt_index)
         if self._flight is None:
             self._writer.write(rec)
         else:
@@ -534,6 +683,68 @@ class Recorder:
                                                for name, values in rec.stats.items()})
         if self._flight is None or selected:
             self._records += 1
+            self._full_records += bool(selected)
+        self._stats_steps += rec.stats is not None
+
+    # -- logged scalars ---------------------------------------------------------------------------------------
+    def log(self, after_step: bool = False, **scalars) -> None:
+        """Store per-step scalars in the run: ``rec.log(loss=loss, accuracy=acc)``.
+
+        Values are numbers or 1-element tensors (any device; kept detached, and read to the host when a full
+        record is written, with its copies, else once 64 steps wait, and at close: logging never waits for the
+        device; a crash loses the values still waiting). Each value belongs
+        to the next optimizer step to complete, so call it between the forward pass and ``optimizer.step()``;
+        with ``after_step=True`` it belongs to the step completed last (log after ``optimizer.step()``). With
+        several optimizers, to the one that steps next (or stepped last). Logging a name again before that step
+        replaces the value. ``run.steps()`` and ``run.scalars()`` show them; ``tensorboard=`` writes them live as
+        ``scalars/<name>``. A value that is not one number, or a reserved name, raises (TypeError, ValueError).
+        """
+        for name, value in scalars.items():
+            problem = name_problem(name)
+            if problem:
+                raise ValueError(f"rec.log: {name!r} is {problem}; choose another name")
+            problem = scalar_problem(value)
+            if problem:
+                raise TypeError(f"rec.log: {name}= is {problem}")
+        if not self.active or not scalars:
+            return
+        values = {name: kept(value) for name, value in scalars.items()}
+        if not after_step or self._last_stepped is None:  # before any step: it can only belong to the first one
+            self._logged.update(values)
+            return
+        opt_index = self._last_stepped
+        step = self._steps_done[opt_index] - 1
+        rows = self._scalar_rows.setdefault(opt_index, [])
+        if rows and rows[-1][0] == step:
+            rows[-1][2].update(values)
+        else:  # the step's row was written already (or it logged nothing): a second row, merged by readers
+            rows.append((step, time.time(), values))
+
+    def _queue_scalars(self, opt_index: int, step: int, wall_time: float) -> None:
+        """The values logged for this step, and those the recorder measured in it, wait for the host copy."""
+        values = self._step_scalars.pop(opt_index, {})
+        values.update(self._logged)  # rec.log(loss=...) wins over the closure's loss
+        self._logged = {}
+        if values:
+            self._scalar_rows.setdefault(opt_index, []).append((step, wall_time, values))
+
+    def _scalars_on_host(self, opt_index: int) -> list:
+        """The optimizer's waiting scalar rows read to the host (one copy per device), written to TensorBoard."""
+        rows = self._scalar_rows.pop(opt_index, [])
+        if not rows:
+            return []
+        rows = to_host(rows)
+        if self._tensorboard is not None:
+            for step, _, values in rows:
+                self._tensorboard.write_scalars(step, values, prefix=_tensorboard_name(opt_index, ""))
+        return rows
+
+    def _write_scalars(self, opt_index: int) -> None:
+        """Write the optimizer's waiting scalar rows without a record."""
+        rows = self._scalars_on_host(opt_index)
+        if rows:
+            self._writer.write(Record(optimizer=opt_index, step=rows[-1][0], backward_pass=0, wall_time=rows[-1][1],
+                                      hparams=[], params=[], full=False, scalars=rows))
 
     # -- a split job's TensorBoard scalars ---------------------------------------------------------------------
     def _slots(self, opt_index: int) -> list[Slot]:
@@ -593,6 +804,10 @@ class Recorder:
     def close(self) -> None:
         """Remove every hook and close the file. Safe to call twice, and after recording stopped on an error."""
         was_active = self.active
+        if was_active:
+            for opt_index in list(self._scalar_rows):
+                self._guard(self._write_scalars, opt_index)
+            was_active = self.active  # a write that failed stopped recording
         self.active = False
         self._remove_hooks()
         self._pending.clear()
@@ -619,11 +834,23 @@ class Recorder:
     def __exit__(self, *exc) -> None:
         self.close()
 
+    @property
+    def full_records(self) -> int:
+        """Full-tensor records committed so far (what ``upd info`` counts as records), flight-recorder dumps
+        included."""
+        return self._full_records + (self._flight.records_dumped if self._flight is not None else 0)
+
     def __repr__(self) -> str:
         state = "recording" if self.active else "closed"
         if self.rank_setup is not None and not self.rank_setup.records:
             state = f"not recording on rank {self.rank_setup.rank}"
-        return f"<upd.Recorder {self.path!r} {state}, {self.records} records>"
+        return (f"<upd.Recorder {self.path!r} {state}, {self.full_records} full-tensor records"
+                + (f", {self._stats_steps} statistics steps" if self.stats_every is not None else "") + ">")
+
+
+def _gradients(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
+    """The optimizer's gradients (of a DTensor, the local part: the whole of it when one process holds it all)."""
+    return [local_part(p.grad) for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
 
 
 def _tensorboard_name(opt_index: int, name: str) -> str:
@@ -691,6 +918,27 @@ def attachable_model(model):
     return uncompiled(model)
 
 
+def _is_optimizer(obj) -> bool:
+    """`obj` is, or wraps, a torch.optim.Optimizer."""
+    return isinstance(wrapped_optimizer(obj), torch.optim.Optimizer)
+
+
+def _call_name(obj) -> str:
+    return "optimizer" if isinstance(obj, torch.optim.Optimizer) else type(obj).__name__
+
+
+def _recording_to(path: str) -> "Recorder | None":
+    """The active recorder of this process that writes `path`, if any."""
+    try:
+        real = os.path.realpath(path)
+    except OSError:
+        return None
+    for recorder in list(lifetime.recorders):
+        if recorder.active and os.path.realpath(recorder.path) == real:
+            return recorder
+    return None
+
+
 def _remove_quietly(path: str) -> None:
     try:
         os.remove(path)
@@ -722,7 +970,11 @@ def record(path, model=None, optimizer=None, **options) -> Recorder:
             (not an optimizer, a model that is not a module, a file that cannot be created) warns once
             (``upd.RecorderWarning``) and gives an inactive recorder, with no file; a bad option value, an
             existing file without ``overwrite=True`` and a run ``resume=True`` cannot continue are raised.
-        every: record every N-th optimizer step (default 1: every step).
+        every: write the full tensors (parameter before and after, gradient, optimizer state) every N-th optimizer
+            step (default 1: every step; None: never, e.g. with ``stats_every``).
+        stats_every: write summary statistics (mean, std, norm, abs max, zeros, NaN/Inf count of each parameter,
+            gradient, update and state tensor; update:data and grad:data) every N-th step, computed on the training
+            device with one host copy per step (default None: never; 1 when ``tensorboard`` is given).
         tensorboard: a ``torch.utils.tensorboard.SummaryWriter`` or a log dir: ``update_to_data/<param>``,
             ``grad_to_data/<param>`` and the update, gradient and parameter norms, live, at each statistics step
             (``stats_every`` defaults to 1 then). In a distributed job rank 0 alone writes, the whole parameters'
@@ -733,7 +985,8 @@ def record(path, model=None, optimizer=None, **options) -> Recorder:
             close its recorder at the same point. A recorder error on one rank stops the scalars on every rank at
             the next statistics step, never the training. Refused for a sharded job recorded on one rank only
             (``ranks=`` an int): its shards' ratios are not the parameters'.
-        include / exclude: glob pattern(s) on parameter names, e.g. ``include="*.weight"``.
+        include / exclude: glob pattern(s) on parameter names, e.g. ``include="*.weight"`` (default None: every
+            parameter). Patterns that match no parameter warn at this call.
         what: subset of ``("param", "grad", "state")`` to store (default all three).
         dtype: storage dtype: ``"keep"`` (default, exact), ``"float32"``, ``"float16"`` or ``"bfloat16"``.
             Smaller storage limits what ``upd verify`` can prove; its report says by how much.
@@ -744,11 +997,21 @@ def record(path, model=None, optimizer=None, **options) -> Recorder:
             optimizer's own step counter (or after the last recorded step for optimizers without one); a different
             optimizer class, parameter set or shape is an error. Without an existing file, starts a new run.
         zero_counts: whose fraction of exact zeros the statistics count: any of "param", "grad", "update",
-            "state" (default: gradients only; counting is the slowest statistic on CPU, 4x a sum).
+            "state" (default: gradients only; counting is the slowest statistic on CPU, 4x a sum). Zero fractions
+            belong to the full statistics set (``full_stats_every``).
+        full_stats_every: statistics steps compute the lean set by default: mean, std, norm and NaN/Inf count of
+            every parameter, its gradient and its update, so update:data and grad:data (two reductions per tensor,
+            cheaper than a hand-written clone-and-std() loop). Every ``full_stats_every``-th step (default 100; a
+            multiple of ``stats_every``, or the two rarely coincide) that is a statistics step computes the full set
+            instead: also abs max, fractions of zeros (``zero_counts``) and the statistics of every optimizer-state
+            tensor. ``1``: the full set at every statistics step; ``None``: never. Statistics at a step with full
+            tensors (``every=``) are always the full set.
         flight_recorder: keep the last K steps' full tensors in memory (no disk I/O while nothing happens) and
             write them to the run when a trigger fires: a NaN/Inf in a gradient or update, a gradient- or
             update-norm spike above ``spike_factor`` (default 10) times its recent median, or ``rec.dump(reason)``.
             The reasons are stored (``Run.dumps``); the dumped steps replay and verify like any others.
+        spike_factor: the flight recorder's trigger: a gradient or update norm above this many times its recent
+            median (default 10; must be > 1).
         strict: raise recorder errors (at setup too) instead of warning once and stopping recording.
         ranks: which ranks of a distributed job record (ignored in a single process). ``None`` (default): every
             rank when each holds a part of the model (FSDP2 shards, ZeroRedundancyOptimizer partitions), rank 0
@@ -756,5 +1019,9 @@ def record(path, model=None, optimizer=None, **options) -> Recorder:
             ``"all"``: every rank, one file each (``upd verify`` then also checks that the replicas agree). An
             int: that rank only. Other ranks get an inactive recorder (``rec.active`` is False): no file, no hooks.
             With ``resume=True`` each rank resumes its own file; the job must have the same number of processes.
+
+    The returned ``Recorder`` also stores per-step scalars: ``rec.log(loss=loss)`` (see ``Recorder.log``), and
+    logs, at each recorded step, the total gradient norm as the backward pass left it and as the step saw it
+    (clipping shows as the second smaller: ``upd info`` says on how many steps).
     """
     return Recorder(path, model, optimizer, **options)

@@ -22,10 +22,27 @@ def dense(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.to_dense() if tensor.layout in SPARSE_LAYOUTS else tensor
 
 
+_COPIES_IN_FLIGHT = []  # CUDA devices with non_blocking copies to the host not yet waited for
+
+
 def cpu_copy(tensor: torch.Tensor) -> torch.Tensor:
+    """A host copy that cannot alias memory the optimizer updates in place. From a CUDA device: a non_blocking copy
+    into pinned memory (torch's caching host allocator reuses it from step to step), ordered on the device's stream
+    before the optimizer's kernels; ``wait_for_copies()`` once per step, before anything on the host reads it."""
     tensor = dense(local_part(tensor.detach()))
-    # .to(..., copy=True) always copies, so the snapshot cannot alias memory the optimizer updates in place.
-    return tensor.to("cpu", copy=True)
+    if tensor.device.type == "cuda":
+        out = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
+        out.copy_(tensor, non_blocking=True)
+        if tensor.device not in _COPIES_IN_FLIGHT:
+            _COPIES_IN_FLIGHT.append(tensor.device)
+        return out
+    return tensor.to("cpu", copy=True)  # copy=True always copies
+
+
+def wait_for_copies() -> None:
+    """Wait until every cpu_copy made so far has landed: one synchronisation per device with copies in flight."""
+    while _COPIES_IN_FLIGHT:
+        torch.cuda.synchronize(_COPIES_IN_FLIGHT.pop())
 
 
 def state_snapshot(state: dict) -> dict:
@@ -45,16 +62,25 @@ def hparams_snapshot(group: dict) -> dict:
     return {k: encoding.jsonable(v) for k, v in group.items() if k not in ("params", "param_names")}
 
 
+_DTENSOR = []  # DTensor, once its module is loaded: looked up per tensor and step, so cached
+
+
 def dtensor_class():
     """torch.distributed.tensor.DTensor when that module is loaded (no DTensor can exist otherwise), else None."""
-    return getattr(sys.modules.get("torch.distributed.tensor"), "DTensor", None)
+    if not _DTENSOR:
+        found = getattr(sys.modules.get("torch.distributed.tensor"), "DTensor", None)
+        if found is None:
+            return None
+        _DTENSOR.append(found)
+    return _DTENSOR[0]
 
 
 def local_part(tensor):
     """This rank's part of a DTensor (a view of its local tensor, no copy, no communication); any other tensor (or
     None) as it is. Statistics and copies of a DTensor are of this part."""
-    dtensor = dtensor_class()
-    return tensor.to_local() if dtensor is not None and isinstance(tensor, dtensor) else tensor
+    if not _DTENSOR and dtensor_class() is None:
+        return tensor
+    return tensor.to_local() if isinstance(tensor, _DTENSOR[0]) else tensor
 
 
 def _placements(tensor) -> str:

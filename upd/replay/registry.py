@@ -150,6 +150,9 @@ class ReplayRule:
     # The math reads the whole tensor (row/column means, norms, matrix products): a rank's shard of a distributed
     # parameter cannot be replayed on its own.
     needs_whole_tensor: bool = False
+    # The math treats each row along the first dimension as a unit (SparseAdam: a row of the gradient is present or
+    # not): verify may cut the tensor into blocks of whole rows, and a shard made of whole rows replays on its own.
+    needs_whole_rows: bool = False
 
     @property
     def function_name(self) -> str:
@@ -243,7 +246,8 @@ def _covers(rule: ReplayRule, torch_version: str | None) -> bool:
 
 def register(*optimizer_classes, rtol: float = DEFAULT_RTOL, ulps: float = DEFAULT_ULPS,
              torch_min: str | None = None, torch_below: str | None = None, state: dict | None = None,
-             counts_steps: bool = False, needs_whole_tensor: bool = False):
+             counts_steps: bool = False, elementwise: bool = False, needs_whole_rows: bool = False,
+             needs_whole_tensor: bool = False):
     """Decorator: register ``fn`` as the replay rule of the given optimizer classes (classes or 'module.Class').
 
         @upd.replay.register(MyOptimizer)
@@ -256,9 +260,13 @@ def register(*optimizer_classes, rtol: float = DEFAULT_RTOL, ulps: float = DEFAU
     ``counts_steps=True``: the optimizer keeps a step counter in ``state["step"]``; the rule gets it as ``step``.
     ``torch_min`` / ``torch_below`` limit the rule to files written by those torch versions, for optimizers whose
     math changed between versions: ``verify`` picks the rule matching the torch version recorded in the file.
-    ``needs_whole_tensor=True``: the math is not elementwise (it reads norms, row or column statistics, or the
-    whole matrix): ``verify`` skips the rule on a rank's shard of a distributed parameter, saying so, instead of
-    replaying the shard as if it were the whole tensor.
+    ``elementwise=True``: each element's update depends only on that element's parameter, gradient and state
+    (SGD, Adam, ...): verify replays the rule on bounded blocks of the flattened tensor, in cache-sized chunks, and
+    on a rank's shard of a distributed parameter as it is. Without it (the default, because it is always correct)
+    the rule gets the whole tensor (memory: a few float64 copies of it) and a shard of a distributed parameter is
+    skipped, saying so, instead of being replayed as if it were the whole tensor. ``needs_whole_rows=True``: the
+    math treats rows along the first dimension as units; verify cuts the tensor into blocks of whole rows only.
+    ``needs_whole_tensor=True`` is the default's explicit spelling, kept for rules written before ``elementwise``.
     Registering again for the same class and versions replaces the earlier rule.
     """
     if not optimizer_classes:
@@ -270,7 +278,8 @@ def register(*optimizer_classes, rtol: float = DEFAULT_RTOL, ulps: float = DEFAU
             name = class_path(cls)
             rule = ReplayRule(name=name, fn=fn, rtol=rtol, ulps=ulps, torch_versions=(torch_min, torch_below),
                               state=dict(state or {}), counts_steps=counts_steps,
-                              needs_whole_tensor=needs_whole_tensor)
+                              needs_whole_tensor=needs_whole_tensor or not (elementwise or needs_whole_rows),
+                              needs_whole_rows=needs_whole_rows)
             others = [r for r in _RULES.get(name, []) if r.torch_versions != rule.torch_versions]
             _RULES[name] = [rule] + others
         return fn

@@ -12,6 +12,12 @@ queue of 2 cost +5%, because h5py releases the GIL inside the actual write (a wr
 * Everything that touches HDF5 (opening the file, ``add_optimizer``, ``set_attr``, every record, ``close``) runs on
   the one writer thread, in the order it was called. ``RunWriter.write`` keeps the commit protocol (rows, flush,
   then the step marker, flush), so a reader never sees a half-written record.
+* Statistics-only records are committed in batches: the writer thread holds up to ``HOLD_ROWS`` of them for at
+  most ``HOLD_SECONDS`` and writes them with one commit (``RunWriter.write`` of a list). One at a time, a
+  statistics row cost 6.7 ms of writer time on a 29-parameter model (flushes, per-dataset calls); in a batch of 64
+  about 0.1 ms. Held records are written before any other item (a full record, a call, ``close``), so the file's
+  order is the call order; a crash loses at most the held rows, never a committed one, and a live reader sees them
+  at most ``HOLD_SECONDS`` late. ``records_written`` counts a record once it is committed.
 * An exception on the writer thread is not lost: the first one is kept, the file is closed, nothing more is
   written, and it is raised (the same exception object) from the next ``write()`` (and every later one);
   ``close()`` raises it if no call has raised it yet. ``add_dump`` (called during training) is queued like a
@@ -46,6 +52,8 @@ _STOP = object()  # the last item a worker takes: close the file and exit
 _WRITE = "write"
 _CALL = "call"
 _POLL_SECONDS = 0.05  # how often a blocked put checks that the writer thread is still alive
+HOLD_ROWS = 64  # statistics-only records committed together at most (one chunk of the statistics table)
+HOLD_SECONDS = 1.0  # the longest a statistics-only record waits to be committed
 
 
 class _SnapshotQueue(queue.Queue):
@@ -78,6 +86,7 @@ class _Shared:
         self.reported = False  # the error has been raised on a caller's thread
         self.records_written = 0
         self.bytes_written = 0
+        self.write_seconds = 0.0  # wall time the writer thread spent writing records
         self.stopping = False  # set when the writer was garbage collected: drain, close, exit without a join
         self.stopped = False  # no item put after this is ever processed
 
@@ -110,37 +119,81 @@ def _writer_method(shared: _Shared, name: str, *args, **kwargs):
     return getattr(shared.writer, name)(*args, **kwargs)
 
 
+def _holdable(kind: str, payload) -> bool:
+    """A statistics-only record: committed with others (see HOLD_ROWS)."""
+    return kind == _WRITE and not payload.full and payload.stats is not None
+
+
+def _write(shared: _Shared, payload) -> None:
+    """Write one record or a list of them (RunWriter.write takes both) and count them."""
+    start = time.perf_counter()
+    shared.writer.write(payload)
+    elapsed = time.perf_counter() - start
+    recs = payload if isinstance(payload, list) else [payload]
+    nbytes = sum(_stored_bytes(rec, getattr(shared.writer, "storage_dtype", "keep")) for rec in recs)
+    with shared.lock:
+        shared.records_written += len(recs)
+        shared.bytes_written += nbytes
+        shared.write_seconds += elapsed
+
+
+def _fail(shared: _Shared, exc: BaseException, future=None) -> None:
+    shared.error = exc
+    if future is not None:
+        future.set_exception(exc)
+    _abort(shared.writer)  # nothing more is written: release the file now
+
+
 def _worker(q: _SnapshotQueue, shared: _Shared) -> None:
+    held: list = []  # statistics-only records not yet written (HOLD_ROWS)
+    deadline = 0.0
+
+    def write_held():
+        nonlocal held
+        batch, held = held, []
+        if batch and shared.error is None:
+            try:
+                _write(shared, batch)
+            except BaseException as exc:  # kept for the training thread; this thread must go on draining
+                _fail(shared, exc)
+
     try:
         while True:
-            item = q.get()
+            try:
+                item = q.get(timeout=max(0.0, deadline - time.monotonic()) if held else None)
+            except queue.Empty:  # the oldest held record has waited HOLD_SECONDS
+                write_held()
+                continue
             if item is _STOP:
+                write_held()
                 break
             kind, payload, future = item
             item = None
-            if shared.error is not None:  # failed before: write nothing more, but answer anyone waiting
-                if future is not None:
-                    future.set_exception(shared.error)
+            if shared.error is None and _holdable(kind, payload):
+                if not held:
+                    deadline = time.monotonic() + HOLD_SECONDS
+                held.append(payload)
+                if len(held) >= HOLD_ROWS:
+                    write_held()
             else:
-                try:
-                    if kind == _WRITE:
-                        shared.writer.write(payload)
-                        nbytes = _stored_bytes(payload, getattr(shared.writer, "storage_dtype", "keep"))
-                        with shared.lock:
-                            shared.records_written += 1
-                            shared.bytes_written += nbytes
-                    else:
-                        result = payload()
-                        if future is not None:
-                            future.set_result(result)
-                except BaseException as exc:  # kept for the training thread; this thread must go on draining
-                    shared.error = exc
+                write_held()  # everything before this item is written first: the file keeps the call order
+                if shared.error is not None:  # failed before: write nothing more, but answer anyone waiting
                     if future is not None:
-                        future.set_exception(exc)
-                    _abort(shared.writer)  # nothing more is written: release the file now
+                        future.set_exception(shared.error)
+                else:
+                    try:
+                        if kind == _WRITE:
+                            _write(shared, payload)
+                        else:
+                            result = payload()
+                            if future is not None:
+                                future.set_result(result)
+                    except BaseException as exc:  # kept for the training thread; this thread must go on draining
+                        _fail(shared, exc, future)
             # Drop the snapshot before waiting for the next one: the queue bound is also the memory bound.
             payload = future = result = None
             if shared.stopping and q.empty():
+                write_held()
                 break
     finally:
         shared.stopped = True
@@ -189,6 +242,7 @@ class AsyncRunWriter:
     ``add_optimizer(index, meta)``, ``optimizer_meta(index)``, ``last_step(index)``, ``add_dump(info)``,
     ``close()``, ``abort()``. Also ``pending`` (records queued, not yet taken by the writer thread),
     ``records_written``, ``bytes_written`` (values those records put in the file, see ``_stored_bytes``),
+    ``write_seconds`` (the writer thread's time writing them),
     ``blocked_seconds`` (total time ``write()`` waited for queue space) and ``error`` (the writer thread's first
     exception).
     """
@@ -233,6 +287,12 @@ class AsyncRunWriter:
     def bytes_written(self) -> int:
         """Bytes of tensor values (as stored: after dtype=, before compression) and statistics written so far."""
         return self._shared.bytes_written
+
+    @property
+    def write_seconds(self) -> float:
+        """Wall time the writer thread spent in ``RunWriter.write``: bytes_written / write_seconds is the writer's
+        sustained throughput."""
+        return self._shared.write_seconds
 
     @property
     def error(self) -> BaseException | None:
@@ -292,6 +352,10 @@ class AsyncRunWriter:
         error, if there was one; the record is then not written."""
         self._raise_if_failed()
         self._check_open("write()")
+        if rec.full:
+            from ..recorder.snapshots import wait_for_copies  # the recorder's CUDA copies, before this thread reads
+
+            wait_for_copies()
         if self._put((_WRITE, rec, None), count_blocked=True):
             self._raise_if_failed()  # the writer failed while we waited: say so now rather than a step later
 

@@ -16,6 +16,8 @@ class RunFileError(Exception):
 
 def phrase(exc: BaseException) -> str:
     """An exception as a short one-line phrase for a RunFileError message."""
+    if isinstance(exc, MemoryError):  # a valid but large run on a small machine: say so, not numpy's wording
+        return "not enough memory for it on this machine"
     text = " ".join(str(exc).split())
     if len(text) > 200:
         text = text[:200] + "..."

@@ -61,6 +61,13 @@ def find_superblock(fd: int, size: int) -> Superblock | None:
     return None
 
 
+def disk_bytes(st: os.stat_result) -> int:
+    """Bytes a file really holds: its apparent size less its holes (a sparse file reads zeros it does not store).
+    Filesystems that report no blocks (st_blocks 0 for a non-empty file, or none at all) count the apparent size."""
+    blocks = getattr(st, "st_blocks", 0) or 0
+    return min(st.st_size, blocks * 512) if blocks else st.st_size
+
+
 class GuardedFile:
     """The run file as HDF5 reads it (h5py's ``fileobj`` driver), with the checks HDF5 (2.0.0) lacks.
 
@@ -80,6 +87,9 @@ class GuardedFile:
         self._pos = 0
         opened = os.fstat(self._fd)
         self._size = opened.st_size
+        self.disk_bytes = disk_bytes(opened)
+        self._granted: dict[str, int] = {}  # dataset name -> largest block the reader was allowed to read from it
+        self._granted_total = 0
         # Read in place (not a private copy): HDF5 reads it lazily, so a writer that starts later (resume=True)
         # could change metadata under the reader's cache. Reads after that are refused, not trusted.
         self._identity = None if snapshot else (opened.st_size, opened.st_mtime_ns)
@@ -101,6 +111,14 @@ class GuardedFile:
     def size(self) -> int:
         """Bytes in the file as it was opened (the copy's, for a run being written)."""
         return self._size
+
+    def grant(self, name: str, nbytes: int) -> int:
+        """Count a block of `nbytes` read from dataset `name` (each dataset at its largest); the total so far."""
+        before = self._granted.get(name, 0)
+        if nbytes > before:
+            self._granted[name] = nbytes
+            self._granted_total += nbytes - before
+        return self._granted_total
 
     def changed_under_us(self) -> bool:
         """True once the file read in place has been changed, or is open for writing (sticky)."""
@@ -157,7 +175,11 @@ class GuardedFile:
 
     def dataset_vlen_lengths(self, ds: h5py.Dataset, rows: range) -> list[int] | None:
         """Stored lengths of the variable-length elements `rows` of a 1-D dataset, read from the file itself;
-        None when they are not stored plainly (compressed chunks, compact layout): HDF5 then reads them unchecked."""
+        None when they are not stored plainly (compressed chunks, compact layout): HDF5 then reads them unchecked.
+        Fixed-length strings (the same JSON, written by another tool) have no references: each is its itemsize."""
+        info = h5py.check_string_dtype(ds.dtype)
+        if info is not None and info.length is not None:
+            return [ds.dtype.itemsize] * len(rows)
         step = self.vlen_ref_size()
         dcpl = ds.id.get_create_plist()
         layout = dcpl.get_layout()

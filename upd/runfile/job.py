@@ -363,6 +363,10 @@ class JobOptimizer:
     def committed_stats_steps(self) -> np.ndarray:
         return self.stats_steps
 
+    def scalars(self):
+        """The logged scalars of the lowest recording rank (each rank logs its own: a loss is usually the same)."""
+        return self.primary.scalars()
+
     def stats_param_meta(self) -> dict:
         """{name: meta} of the statistics table's parameters, shapes those of the whole tensors."""
         out = {}

@@ -7,6 +7,7 @@ is a RunFileError of one line.
 """
 from __future__ import annotations
 
+import difflib
 import os
 import warnings
 from functools import cached_property
@@ -22,6 +23,7 @@ from . import encoding, livelock, schema, validate
 from ..analyzer.ratio_table import ratios_table
 from .errors import Reading, RunFileError, phrase
 from .guards import GuardedFile
+from .scalars_table import KEY_COLUMNS as SCALAR_KEY_COLUMNS, scalars_frame
 from .stats_table import committed_stats_rows, stats_frame, stats_param_meta
 from .validate import Validator, check_path, json_value, link_type
 
@@ -29,6 +31,8 @@ __all__ = ["Run", "OptimizerRun", "ParamRecord", "RunFileError", "open_run"]
 
 # Rows read at once when streaming a parameter's history: bounds memory on large runs.
 DEFAULT_BLOCK_BYTES = 64 * 1024 * 1024
+# HDF5's metadata cache of an open run (object headers, group indexes): see _bound_metadata_cache.
+METADATA_CACHE_BYTES = 4 * 1024 * 1024
 
 DUMP_COLUMNS = ["optimizer", "reason", "trigger_step", "steps", "wall_time"]
 
@@ -109,7 +113,9 @@ class ParamRecord(ParamHistory):
         check = check or optimizer.run._validator()
         where = f"parameter {name!r} of optimizer {optimizer.index}"
         self.meta = validate.param_meta(check, group, where)
-        records = validate.record_index(check, group, where)
+        with check.reading(where):
+            links = validate.link_types(group)  # one pass over the group's links serves every lookup below
+        records = validate.record_index(check, group, where, links)
         # Rows whose record was never committed (a crash mid-record) do not exist for readers.
         self.records = records[records < optimizer.num_records]
         self.shape = tuple(int(d) for d in self.meta.get("shape") or ())
@@ -117,8 +123,9 @@ class ParamRecord(ParamHistory):
         self.param_group = self.meta.get("group")
         if self.param_group is not None:
             self.param_group = int(self.param_group)
-        self._storage: dict[str, str | None] = validate.tensor_storage(check, group, where, self.shape, self.num_rows)
-        self._state_keys, self._state_dtypes = validate.state_storage(check, group, where)
+        # {kind: storage dtype}, its datasets checked at the first read (validate.ParamDatasets: opening stays cheap)
+        self._storage = validate.ParamDatasets(check, group, where, self.shape, self.num_rows, links)
+        self._state_keys, self._state_dtypes = self._storage.state_keys, self._storage.state_dtypes
 
     @property
     def num_rows(self) -> int:
@@ -162,7 +169,15 @@ class ParamRecord(ParamHistory):
                                        f"parameter {self.name!r} of optimizer {self.optimizer.index}: dataset {kind!r}")
 
     def read(self, kind: str, rows=slice(None)) -> torch.Tensor:
-        """Tensor of kind ('param', 'grad', 'param_after') at the given row(s); rows index ``self.records``."""
+        """Tensor of kind ('param', 'grad', 'param_after', or 'state/<key>') at the given row(s); rows index
+        ``self.records``. The optimizer state of a row as a dict: ``state_at(row)``."""
+        state_prefix = schema.STATE_GROUP + "/"
+        if kind not in schema.TENSOR_KINDS and not (kind.startswith(state_prefix) and len(kind) > len(state_prefix)):
+            # the caller's mistake, not the file's: say what read() takes
+            raise ValueError(f"{self.name}: read() takes one of {', '.join(map(repr, schema.TENSOR_KINDS))} or "
+                             f"'{state_prefix}<key>' (keys here: {', '.join(self.state_keys) or 'none'}), not "
+                             f"{kind!r}" + ("; the whole state at a row: state_at(row)"
+                                            if kind == schema.STATE_GROUP else ""))
         if not self._has(kind):
             raise KeyError(f"{self.name}: no {kind!r} recorded")
         rows = self._clip(rows)
@@ -197,6 +212,44 @@ class ParamRecord(ParamHistory):
                     out[key] = self._decode(ds, row, self._state_dtypes.get(key))
         return out
 
+    def read_part(self, kind: str, rows: slice, elements: tuple = ()) -> torch.Tensor:
+        """Rows of `kind` (a tensor kind, or 'state/<key>'), restricted to `elements` (an index over the stored
+        tensor's own dimensions), in the stored dtype: how verify streams a parameter of any size in bounded
+        blocks. The dataset handle is kept, so many small reads pay no name lookup."""
+        ds, dtype = self._handle(kind)
+        rows = slice(rows.start, min(rows.stop, ds.shape[0]))  # a state dataset may hold fewer rows: fewer come back
+        with self._reading(f"{kind!r} rows {_rows_text(rows)}"):
+            array = ds[(rows, *elements)]
+        tensor = torch.from_numpy(np.ascontiguousarray(array.view(np.uint16) if dtype == "bfloat16" else array))
+        return tensor.view(torch.bfloat16) if dtype == "bfloat16" else tensor
+
+    def _handle(self, kind: str):
+        """(dataset, stored torch dtype) of `kind`, looked up once."""
+        handles = self.__dict__.setdefault("_handles", {})
+        if kind not in handles:
+            state_key = kind[len(schema.STATE_GROUP) + 1:] if kind.startswith(schema.STATE_GROUP + "/") else None
+            dtype = (self._state_dtypes.get(state_key) if state_key is not None else
+                     self._storage[kind] if kind in self._storage else self._checked(kind))
+            with self._reading(repr(kind)):
+                handles[kind] = (self._group[kind], dtype or "float32")
+        return handles[kind]
+
+    def stored_shape(self, kind: str) -> tuple:
+        """The shape of one row of `kind` (as read_part takes it), e.g. ``()`` for a scalar state entry."""
+        return tuple(self._handle(kind)[0].shape[1:])
+
+    def state_present(self, rows: slice) -> np.ndarray:
+        """(rows, state keys) bool: which state keys were stored at each of `rows` (rows past the mask: False)."""
+        out = np.zeros((rows.stop - rows.start, len(self.state_keys)), bool)
+        if self.state_keys:
+            handles = self.__dict__.setdefault("_handles", {})
+            with self._reading(f"state presence rows {_rows_text(rows)}"):
+                ds = handles.get(schema.STATE_PRESENT) or handles.setdefault(schema.STATE_PRESENT,
+                                                                             self._group[schema.STATE_PRESENT])
+                got = ds[rows.start:min(rows.stop, ds.shape[0]), :out.shape[1]].astype(bool)
+            out[:got.shape[0], :got.shape[1]] = got
+        return out
+
     def state_shape(self, key: str) -> tuple | None:
         """The shape state `key` was stored with at each row (``()`` for a scalar such as Adam's ``step``, which
         ``state_at`` returns with shape (1,)); None when it was never stored."""
@@ -206,7 +259,7 @@ class ParamRecord(ParamHistory):
 
     def storage_dtype(self, kind: str = schema.KIND_PARAM) -> str | None:
         if kind in self._storage:
-            return self._storage[kind]
+            return self._storage.dtype_of(kind)
         return self._checked(kind) if self._has(kind) else None
 
     def __repr__(self) -> str:
@@ -266,9 +319,12 @@ class OptimizerRun:
         self.class_name = self.meta.get("class", "?")
         at = f"{where}: group '{schema.PARAMS}'"
         params = check.child(group, schema.PARAMS, at, h5py.Group)
-        records = [ParamRecord(self, name, check.child(params, name, f"{where}: parameter {name!r}", h5py.Group),
-                               check)
-                   for name in check.members(params, at)]
+        names = check.members(params, at)
+        with check.reading(at):
+            links = validate.link_types(params)
+        records = [ParamRecord(self, schema.param_name(key),  # the name as recorded ('/' is escaped in the file)
+                               check.child(params, key, f"{where}: parameter {key!r}", h5py.Group, links=links), check)
+                   for key in names]
         validate.param_groups(check, records, self.learning_rates.shape[1], where)
         # HDF5 lists names alphabetically (layers.10 before layers.3); show them in the optimizer's order.
         records.sort(key=lambda p: (p.param_group or 0, p.meta.get("index_in_group") or 0))
@@ -304,6 +360,11 @@ class OptimizerRun:
             raise RunFileError(f"{self.run.path}: optimizer {self.index}: {_CLOSURE_LOSSES}[{record}] is not a "
                                f"JSON list or null")
         return value
+
+    def scalars(self) -> pd.DataFrame:
+        """The scalars logged at this optimizer's steps (``rec.log``, closure losses, total gradient norms): columns
+        step, wall_time and one per name, one row per step that logged something."""
+        return scalars_frame(self.run._validator(), self._group, f"optimizer {self.index}")
 
     def committed_stats_steps(self) -> np.ndarray:
         """The optimizer step of each committed row of the statistics table (empty without one)."""
@@ -358,11 +419,24 @@ class RunReader:
         for opt in self.optimizers:
             if (optimizer is None or opt.index == optimizer) and name in opt.param_records:
                 return opt.param_records[name]
-        raise KeyError(f"{self.path}: no parameter {name!r}")
+        names = [n for opt in self.optimizers if optimizer is None or opt.index == optimizer
+                 for n in opt.param_records]
+        close = difflib.get_close_matches(name, names, n=3)
+        listed = ", ".join(names[:20]) + (f", ... ({len(names)} in all)" if len(names) > 20 else "")
+        raise KeyError(f"{self.path}: no parameter {name!r}"
+                       + (f"{'' if optimizer is None else f' in optimizer {optimizer}'}; did you mean "
+                          f"{' or '.join(map(repr, close))}?" if close else "")
+                       + (f" Recorded parameters: {listed}" if names else " (no parameter has full records)"))
 
     def iter_params(self) -> Iterator:
         for opt in self.optimizers:
             yield from opt.param_records.values()
+
+    def scalars(self) -> pd.DataFrame:
+        """The logged scalars (``rec.log``, the loss of ``step(closure)`` steps, the total gradient norms, a
+        Trainer's logs): one row per (optimizer, step) that logged something; columns optimizer, step, wall_time
+        and one per name (NaN where a step did not log that name)."""
+        return scalars_table(self.optimizers)
 
     def __enter__(self):
         return self
@@ -379,7 +453,7 @@ class Run(RunReader):
         check_path(self.path)
         self.live = False  # True: a writer had the file open, and this reads a copy taken between two records
         try:
-            fd = os.open(self.path, os.O_RDONLY | getattr(os, "O_BINARY", 0))
+            fd = validate.open_regular(self.path)  # opened first, then checked: a FIFO swapped in cannot block
             if livelock.writer_present(fd):
                 self.live, live_fd = True, fd
                 try:
@@ -403,6 +477,7 @@ class Run(RunReader):
             raise RunFileError(f"{self.path}: not a readable HDF5 file ({phrase(exc)})") from None
         lifetime.runs.add(self)  # closed at exit while Python still runs (see upd/lifetime.py)
         try:
+            _bound_metadata_cache(self._file)
             self._load()
         except RunFileError:
             self.close()
@@ -419,6 +494,11 @@ class Run(RunReader):
         self.optimizers = [OptimizerRun(self, int(k), check.child(groups, k, f"optimizer {k}", h5py.Group), check)
                            for k in names]
         self.params_not_optimized = validate.params_not_optimized(check, self._file)
+        # True once the recorder closed the file; False for a run still being written, or cut short by a crash.
+        self.closed_cleanly = check.json_attr(self._file, schema.ATTR_CLOSED_CLEANLY, "root", default=False,
+                                              required=False) is True
+        resumes = check.json_attr(self._file, schema.ATTR_RESUMES, "root", list, default=[], required=False)
+        self.resumes = [r for r in resumes if isinstance(r, dict)]  # one entry per resume=True session
 
     def _reading(self, what: str) -> Reading:
         return Reading(self.path, what, getattr(self, "_raw", None))
@@ -437,7 +517,8 @@ class Run(RunReader):
     @property
     def steps(self) -> "_TableMethod":
         """``run.steps()``: one row per committed record (optimizer, record, step, backward_pass, wall_time, lr per
-        param group)."""
+        param group) and per step that logged scalars without a record, with one column per logged scalar
+        (``rec.log``); see ``steps_table``."""
         return _TableMethod(self._steps_table(), "steps")
 
     @property
@@ -483,7 +564,8 @@ class Run(RunReader):
         desc = {"path": self.path, "live": self.live, "size_bytes": self.size_bytes,
                 "format_version": self.format_version, "torch_version": self.torch_version,
                 "upd_version": self.meta.get("upd_version"), "created_unix": self.meta.get("created_unix"),
-                "options": self.options, "params_not_optimized": self.params_not_optimized, "optimizers": optimizers}
+                "options": self.options, "params_not_optimized": self.params_not_optimized, "optimizers": optimizers,
+                "closed_cleanly": self.closed_cleanly, "resumes": self.resumes}
         if isinstance(self.meta.get(schema.META_DISTRIBUTED), dict):  # one rank's file of a distributed job
             desc[schema.META_DISTRIBUTED] = self.meta[schema.META_DISTRIBUTED]
         return desc
@@ -540,8 +622,23 @@ class Run(RunReader):
         return f"<upd.Run {self.path!r}: " + ", ".join(repr(o) for o in self.optimizers) + ">"
 
 
+def scalars_table(optimizers) -> pd.DataFrame:
+    """``scalars()``: every optimizer's logged scalars, with an optimizer column first."""
+    frames = []
+    for opt in optimizers:
+        frame = opt.scalars()
+        if len(frame):
+            frame.insert(0, "optimizer", opt.index)
+            frames.append(frame)
+    if not frames:
+        return pd.DataFrame(columns=["optimizer", *SCALAR_KEY_COLUMNS])
+    return pd.concat(frames, ignore_index=True)
+
+
 def steps_table(optimizers) -> pd.DataFrame:
-    """``steps()``: one row per committed record of each optimizer (a Run's, or a Job's aligned ones)."""
+    """``steps()``: one row per committed record of each optimizer (a Run's, or a Job's aligned ones), and per step
+    that logged scalars without a record; one column per logged scalar. A step without a record has <NA> in
+    ``record`` and ``backward_pass`` (then of pandas' nullable Int64 dtype) and NaN learning rates."""
     frames = []
     for opt in optimizers:
         df = pd.DataFrame({"optimizer": opt.index, "record": np.arange(opt.num_records), "step": opt.steps,
@@ -549,9 +646,27 @@ def steps_table(optimizers) -> pd.DataFrame:
         lrs = opt.learning_rates
         for g in range(lrs.shape[1] if lrs.ndim == 2 else 0):
             df[f"lr_group{g}"] = lrs[:, g]
+        scalars = opt.scalars()
+        if len(scalars):
+            df = _with_scalars(df, scalars, opt.index)
         frames.append(df)
     return pd.concat(frames, ignore_index=True) if frames else pd.DataFrame(
         columns=["optimizer", "record", "step", "backward_pass", "wall_time"])
+
+
+def _with_scalars(records: pd.DataFrame, scalars: pd.DataFrame, index: int) -> pd.DataFrame:
+    """The record rows of one optimizer joined with its scalars on the step: a step with scalars and no record
+    gets a row of its own (wall time from the scalars table)."""
+    merged = records.merge(scalars.rename(columns={"wall_time": "_scalar_wall_time"}), on="step", how="outer",
+                           sort=True)
+    merged["optimizer"] = index
+    merged["wall_time"] = merged["wall_time"].fillna(merged.pop("_scalar_wall_time"))
+    for column in ("record", "backward_pass"):
+        if merged[column].isna().any():
+            merged[column] = merged[column].astype("Int64")
+        else:
+            merged[column] = merged[column].astype(np.int64)
+    return merged.reset_index(drop=True)
 
 
 def describe_optimizer(opt, stats_steps: int, stats_meta: dict) -> dict:
@@ -565,6 +680,7 @@ def describe_optimizer(opt, stats_steps: int, stats_meta: dict) -> dict:
         "last_step": int(steps[-1]) if len(steps) else None,
         "param_groups": int(opt.learning_rates.shape[1]) if opt.learning_rates.ndim == 2 else 0,
         "defaults": opt.meta.get("defaults", {}),
+        "frozen": frozen_params(opt),
         "params": [{"name": p.name, "shape": list(p.shape), "dtype": p.dtype, "group": p.param_group,
                     "rows": p.num_rows, "kinds": p.kinds, "state": p.state_keys,
                     "stored_as": p.storage_dtype()} for p in opt.param_records.values()]
@@ -572,6 +688,24 @@ def describe_optimizer(opt, stats_steps: int, stats_meta: dict) -> dict:
             "group": meta.get("group"), "rows": 0, "kinds": [], "state": [], "stored_as": None}
            for name, meta in stats_meta.items() if name not in opt.param_records],
     }
+
+
+def frozen_params(opt) -> list[str]:
+    """Names of the parameters the optimizer held with requires_grad=False when recording started: they get no
+    gradient, so no rows, and are listed as frozen instead of vanishing."""
+    params = opt.meta.get("params")
+    if not isinstance(params, list):
+        return []
+    return [str(p.get("name")) for p in params if isinstance(p, dict) and p.get("requires_grad") is False]
+
+
+def _bound_metadata_cache(file: h5py.File) -> None:
+    """Cap HDF5's metadata cache at METADATA_CACHE_BYTES. The reader visits each object's metadata about once, so
+    the cache's hit rate stays low and HDF5's adaptive sizing grows it to its 32 MiB default maximum, per open file:
+    memory that buys no speed on a pass that reads everything once."""
+    config = file.id.get_mdc_config()
+    config.max_size = max(config.min_size, min(config.max_size, METADATA_CACHE_BYTES))
+    file.id.set_mdc_config(config)
 
 
 def _live_timeout(given: float | None) -> float:

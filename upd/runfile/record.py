@@ -71,3 +71,6 @@ class Record:
     full: bool = True  # the full tensors of `params` are written (a statistics-only record ignores them)
     stats: dict | None = None  # per-parameter summary statistics {name: {column: value}} at a statistics step
     stats_meta: dict = field(default_factory=dict)  # {name: {shape, dtype, group, index_in_group}} of those params
+    # Logged scalars read to the host so far, for the scalars table: (step, wall_time, {name: float}) per step. A
+    # record may carry only these (full=False, stats=None): steps that logged values but wrote nothing else.
+    scalars: list = field(default_factory=list)

@@ -38,8 +38,9 @@ FLIGHT_DUMPS = "flight_dumps"  # root dataset
 
 # Members of an optimizer's group.
 RECORDS = "records"  # the record table
-PARAMS = "params"  # one group per parameter
+PARAMS = "params"  # one group per parameter, named param_key(its name)
 STATS = "stats"  # the statistics table
+SCALARS = "scalars"  # the logged-scalars table (rec.log, closure losses, total gradient norms)
 
 # Table columns. Both tables commit a row by appending to STEP: its length is the number of committed rows.
 STEP = "step"
@@ -50,6 +51,22 @@ HPARAMS = "hparams"
 CLOSURE_LOSSES = "closure_losses"
 VALUES = "values"
 COMMIT_COLUMN = STEP
+
+# Attribute of the scalars table: the name of each column of its VALUES.
+SCALAR_COLUMNS = "columns"
+
+# Scalars the recorder logs itself (rec.log refuses these names). The loss of a step(closure) step is its first
+# closure evaluation's (at the parameters before the step), logged as "loss" unless rec.log gave one.
+SCALAR_LOSS = "loss"
+# Total L2 norm over the optimizer's gradients, as accumulated by the backward pass (before any clipping,
+# unscaling or other change between backward and step), and as the optimizer saw them at the step.
+SCALAR_GRAD_NORM_BACKWARD = "total_grad_norm_backward"
+SCALAR_GRAD_NORM_AT_STEP = "total_grad_norm_step"
+RECORDER_SCALARS = (SCALAR_GRAD_NORM_BACKWARD, SCALAR_GRAD_NORM_AT_STEP)
+# Names a logged scalar cannot have: the key columns of the tables that show scalars next to records (run.steps(),
+# run.scalars()), and their per-group learning-rate columns (prefix).
+RESERVED_SCALAR_NAMES = ("optimizer", "record", "step", "backward_pass", "wall_time")
+RESERVED_SCALAR_PREFIX = "lr_group"
 
 # Attributes of the statistics table.
 STATS_PARAMS = "params"
@@ -79,6 +96,17 @@ STORAGE_DTYPES = ("keep", "float32", "float16", "bfloat16")
 HDF5_SIGNATURE = b"\x89HDF\r\n\x1a\n"  # starts the superblock (at byte 0 of every file this writer creates)
 
 MAX_META_BYTES = 16 * 1024 * 1024  # readers refuse larger JSON attributes rather than parse them
+
+def param_key(name: str) -> str:
+    """A parameter's name as the name of its group under PARAMS: '/' separates HDF5 path components, so '%' and '/'
+    are written '%25' and '%2F' (reversible: param_name; names written before this mapping used '|' for '/')."""
+    return name.replace("%", "%25").replace("/", "%2F")
+
+
+def param_name(key: str) -> str:
+    """The parameter's name from its group's name (param_key reversed)."""
+    return key.replace("%2F", "/").replace("%25", "%") if "%" in key else key
+
 
 # -- declarations --------------------------------------------------------------------------------------------------
 STRING = "UTF-8 string"  # dtype of variable-length UTF-8 text (JSON, mostly)
@@ -240,4 +268,17 @@ STATS_TABLE = Group(
     ),
 )
 
-GROUPS = (ROOT, OPTIMIZERS_GROUP, OPTIMIZER, RECORD_TABLE, PARAMS_GROUP, PARAMETER, STATE, STATS_TABLE)
+# L: committed rows (one per optimizer step that logged something; a step can have several rows, e.g. after a
+# resume, and readers merge them, later values winning); C: scalar columns (grows as names appear).
+SCALARS_TABLE = Group(
+    f"/{OPTIMIZERS}/{{k}}/{SCALARS}",
+    attrs=(Attr(SCALAR_COLUMNS, "JSON list"),),
+    datasets=(
+        Dataset(STEP, "int64", ("L",), INTEGERS, chunks=(1024,)),
+        Dataset(WALL_TIME, "float64", ("L",), NUMBERS, chunks=(1024,)),
+        Dataset(VALUES, "float64", ("L", "C"), FLOATS, chunks=(256, 8), fill=float("nan")),
+    ),
+)
+
+GROUPS = (ROOT, OPTIMIZERS_GROUP, OPTIMIZER, RECORD_TABLE, PARAMS_GROUP, PARAMETER, STATE, STATS_TABLE,
+          SCALARS_TABLE)

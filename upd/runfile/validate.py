@@ -22,13 +22,32 @@ from .stats_table import STATS_BLOCK_ROWS
 # What the reader accepts from an untrusted file (docs/reliability.md, "Hostile and broken files").
 MAX_RANK = 32  # HDF5's own limit on dataset rank
 MAX_NUMEL = 2 ** 48  # elements of one parameter, as declared in its metadata
-# Uncompressed, one block the reader reads at once (a record-table column, one row of a tensor) is stored in the
-# file, so it cannot be larger than the file; HDF5's compression filters shrink data at most ~1032:1 (deflate).
-# A declared shape beyond that is refused before anything is read or allocated.
-MAX_COMPRESSION_RATIO = 4096
+# The reading budget (docs/reliability.md, "The reading budget"): reading costs memory and time in proportion to the
+# bytes a file stores, whatever shapes it declares. A dataset "stores" the bytes of the chunks actually written
+# (HDF5's storage size), never more than the file's bytes on disk (a sparse file's holes hold nothing). A block read at
+# once may be at most what its dataset stores, or MAX_READ_RATIO times that when a filter compresses it; everything
+# read from one parameter's datasets, and from the whole file, at most MAX_READ_RATIO times what they store. Real
+# tensors compress 1-2:1; deflate reaches about 1032:1 only on runs of one value: a declared shape beyond the budget
+# is refused before anything is read or allocated. UPD_MAX_READ_RATIO raises it for a run that really is that uniform.
+MAX_READ_RATIO = 64
+SMALL_READ_BYTES = 64 << 10  # a block this small is read unchecked: a table's fresh chunk of fill values
+SMALL_FILE_READ_BYTES = 64 << 20  # the whole-file budget is never below this (tiny runs, fill values)
+# A file may hold up to this many times its bytes on disk: a filesystem that compresses (ZFS, btrfs) reports the
+# compressed blocks. A sparse file's holes (no blocks at all) stay far beyond it.
+DISK_SLACK = 4
 # Tables that grow columns (param groups, statistics slots) leave the chunks of earlier rows of a late column
 # unallocated: a block may declare this many times the data stored for it (chunks hold 64 or more rows).
 _SPARSE = 64
+# Filters that leave the size of the data as it is: a checksum, and byte shuffling (which only helps another filter).
+_NON_COMPRESSING_FILTERS = frozenset({h5py.h5z.FILTER_FLETCHER32, h5py.h5z.FILTER_SHUFFLE})
+
+
+def read_ratio() -> float:
+    """MAX_READ_RATIO, or the user's UPD_MAX_READ_RATIO (never the file's to choose)."""
+    try:
+        return max(1.0, float(os.environ.get("UPD_MAX_READ_RATIO", MAX_READ_RATIO)))
+    except ValueError:
+        return float(MAX_READ_RATIO)
 
 
 def check_path(path: str) -> None:
@@ -47,6 +66,24 @@ def check_path(path: str) -> None:
         raise RunFileError(f"{path}: not a regular file")
     if st.st_size == 0:
         raise RunFileError(f"{path}: empty file, not a run file")
+
+
+def open_regular(path: str) -> int:
+    """A read-only descriptor of the regular file at `path`, checked after it is opened: the path can be swapped
+    for a FIFO or a device between check_path and the open, and a blocking open of a FIFO never returns. O_NONBLOCK
+    makes that open return at once (it changes nothing for a regular file); what was opened is then checked."""
+    fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_NOCTTY", 0)
+                 | getattr(os, "O_BINARY", 0))
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise RunFileError(f"{path}: not a regular file")
+        if st.st_size == 0:
+            raise RunFileError(f"{path}: empty file, not a run file")
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
 
 
 def is_int(value) -> bool:
@@ -82,8 +119,12 @@ class Validator:
     def __init__(self, path: str, file_size: int, raw=None):
         self.path = path
         self.file_size = file_size
+        # Bytes the file really holds: a sparse file's holes read as zeros but store nothing.
+        self.disk_bytes = min(file_size, getattr(raw, "disk_bytes", file_size))
+        # What the file may hold: filesystems that compress (ZFS, btrfs) report fewer blocks than the data they keep.
+        self.holds = min(file_size, self.disk_bytes * DISK_SLACK)
         self.raw = raw  # the file as HDF5 reads it (guards.GuardedFile): raw access to what HDF5 would allocate for
-        self._filtered: dict = {}  # dataset id -> has HDF5 filters (compression)
+        self._readonly: bool | None = None  # whether the file is open read-only (asked once, by _open)
 
     def fail(self, where: str, problem: str) -> RunFileError:
         return RunFileError(f"{self.path}: {where}: {problem}")
@@ -91,29 +132,48 @@ class Validator:
     def reading(self, where: str) -> Reading:
         return Reading(self.path, where)
 
-    def child(self, group: h5py.Group, name: str, where: str, kind=h5py.Dataset, required: bool = True):
-        """group[name] as a hard-linked object of the given kind (None when absent and not required)."""
+    def child(self, group: h5py.Group, name: str, where: str, kind=h5py.Dataset, required: bool = True,
+              links: dict | None = None):
+        """group[name] as a hard-linked object of the given kind (None when absent and not required). links: the
+        group's {name (bytes): link type} from link_types, when the caller looks up several members of one group."""
         with self.reading(where):
-            link = link_type(group, name)
+            link = link_type(group, name) if links is None else links.get(name.encode("utf-8"))
             if link is None:
                 if required:
                     raise self.fail(where, "missing")
                 return None
             if link != h5py.h5l.TYPE_HARD:  # never followed: an external link opens another file, soft links loop
                 raise self.fail(where, f"is a {_LINK_NAMES.get(link, 'link')}; a run file holds its data itself")
-            obj = group[name]
+            obj = self._open(group, name)
         if not isinstance(obj, kind):
             found = "group" if isinstance(obj, h5py.Group) else "dataset" if isinstance(obj, h5py.Dataset) \
                 else type(obj).__name__
             raise self.fail(where, f"is a {found}, expected a {'group' if kind is h5py.Group else 'dataset'}")
         return obj
 
+    def _open(self, group: h5py.Group, name: str):
+        """group[name] for a one-component name already known to be a hard link, without what h5py's
+        ``group[name]`` adds to each lookup (it builds a File object to learn the file's mode): 0.15 ms a lookup,
+        most of the cost of opening a run of many small parameters."""
+        if "/" in name:
+            return group[name]
+        oid = h5py.h5o.open(group.id, name.encode("utf-8"))
+        otype = h5py.h5i.get_type(oid)
+        if otype == h5py.h5i.GROUP:
+            return h5py.Group(oid)
+        if otype == h5py.h5i.DATASET:
+            if self._readonly is None:  # as h5py decides it: a dataset of a read-only file caches its shape
+                self._readonly = h5py.h5i.get_file_id(oid).get_intent() == h5py.h5f.ACC_RDONLY
+            return h5py.Dataset(oid, readonly=self._readonly)
+        return group[name]  # a named datatype (refused by the caller) or anything else: h5py's own wrapping
+
     def members(self, group: h5py.Group, where: str) -> list[str]:
         with self.reading(where):
             names = list(group)
         for name in names:
-            if not _is_utf8(name):
-                raise self.fail(where, f"member name {name.encode('utf-8', 'replace')[:60]!r} is not valid UTF-8")
+            if not _is_utf8(name):  # h5py gives bytes for a name it cannot decode
+                raw = name if isinstance(name, bytes) else name.encode("utf-8", "surrogateescape")
+                raise self.fail(where, f"member name {raw[:60]!r} is not valid UTF-8")
         return names
 
     def attr(self, obj, name: str, where: str):
@@ -174,27 +234,29 @@ class Validator:
                                    f"{expected.__name__ if isinstance(expected, type) else 'another type'}")
         return value
 
-    def filtered(self, ds: h5py.Dataset) -> bool:
-        """Whether ds passes through HDF5 filters (compression): its chunks' stored sizes come from the file."""
-        if ds.id not in self._filtered:
-            with self.reading(ds.name):
-                self._filtered[ds.id] = ds.id.get_create_plist().get_nfilters() > 0
-        return self._filtered[ds.id]
+    def stored(self, ds: h5py.Dataset, where: str) -> tuple[int, bool]:
+        """(bytes ds stores: its written chunks, at most the file's bytes on disk; whether a filter compresses them).
+        Chunks never written read as fill values: they cost memory when read but store nothing."""
+        with self.reading(where):
+            dcpl = ds.id.get_create_plist()
+            compresses = any(dcpl.get_filter(i)[0] not in _NON_COMPRESSING_FILTERS for i in range(dcpl.get_nfilters()))
+            stored = ds.id.get_storage_size()
+        return min(int(stored), self.holds), compresses
 
-    def limit(self, ds: h5py.Dataset) -> int:
-        return self.file_size * (MAX_COMPRESSION_RATIO if self.filtered(ds) else 1)
+    def over_budget(self, what: str, need: int, stored: int, compresses: bool, at_once: bool = False) -> str:
+        return (f"declares {what}: {_size(need)} to read{' at once' if at_once else ''}, but stores {_size(stored)}"
+                + (" compressed" if compresses else "") + f" (the file holds {_size(self.disk_bytes)} on disk)")
 
     def dataset(self, group, name: str, where: str, kinds: str, rank: int | None = None, min_rank: int = 1,
-                required: bool = True) -> h5py.Dataset | None:
+                required: bool = True, links: dict | None = None) -> h5py.Dataset | None:
         """group[name] as a dataset whose dtype kind is in kinds and whose rank is rank (or at least min_rank)."""
-        ds = self.child(group, name, where, h5py.Dataset, required)
+        ds = self.child(group, name, where, h5py.Dataset, required, links)
         if ds is None:
             return None
         with self.reading(where):
             dtype, shape = ds.dtype, ds.shape
             dcpl = ds.id.get_create_plist()
             layout, external = dcpl.get_layout(), dcpl.get_external_count()
-            self._filtered[ds.id] = dcpl.get_nfilters() > 0
         if external or layout == h5py.h5d.VIRTUAL:
             raise self.fail(where, "stores its data in other files; a run file holds its data itself")
         if shape is None:
@@ -212,24 +274,41 @@ class Validator:
         return ds
 
     def declared(self, group, decl: schema.Dataset, where: str, name: str | None = None,
-                 required: bool | None = None) -> h5py.Dataset | None:
+                 required: bool | None = None, links: dict | None = None) -> h5py.Dataset | None:
         """group[decl.name] (or group[name], for a declaration that stands for many: state keys) checked against
         its schema declaration: accepted dtype kinds and rank, present unless optional."""
         return self.dataset(group, decl.name if name is None else name, where, decl.accepts, rank=decl.rank,
-                            required=decl.required if required is None else required)
+                            required=decl.required if required is None else required, links=links)
 
-    def readable(self, ds: h5py.Dataset, rows: int, where: str, sparse: int = 1) -> None:
-        """Refuse reading `rows` rows of ds in one block when this file cannot hold that much data. sparse: how many
-        times the stored data a valid file's block may declare (columns added late leave chunks unallocated)."""
-        if rows <= 0:
-            return
+    def block_bytes(self, ds: h5py.Dataset, rows: int) -> int:
         per_row = ds.dtype.itemsize
         for d in ds.shape[1:]:
             per_row *= int(d)
-        need = rows * per_row
-        if need > self.file_size * sparse and need > self.limit(ds) * sparse:
-            raise self.fail(where, f"declares shape {ds.shape}: {_size(need)} to read at once, more than a "
-                                   f"{_size(self.file_size)} file can hold")
+        return max(0, rows) * per_row
+
+    def readable(self, ds: h5py.Dataset, rows: int, where: str, sparse: int = 1) -> int:
+        """Refuse reading `rows` rows of ds in one block beyond the reading budget: more than ds stores (times
+        MAX_READ_RATIO when a filter compresses it). sparse: how many times the stored data a valid file's block may
+        declare (columns added late leave chunks unallocated). Returns the block's bytes."""
+        need = self.block_bytes(ds, rows)
+        if need <= SMALL_READ_BYTES:
+            return need
+        stored, compresses = self.stored(ds, where)
+        if need > stored * sparse * (read_ratio() if compresses else 1):
+            raise self.fail(where, self.over_budget(f"shape {ds.shape}", need, stored, compresses, at_once=True))
+        self.grant(ds.name, need, where)
+        return need
+
+    def grant(self, name: str, need: int, where: str) -> None:
+        """Count `need` bytes read from dataset `name` against the whole file's budget (each dataset once, at its
+        largest read): overlapping chunks cannot make a small file read as many big ones."""
+        if self.raw is None or not hasattr(self.raw, "grant"):
+            return
+        total = self.raw.grant(name, need)
+        budget = max(SMALL_FILE_READ_BYTES, self.holds * read_ratio())
+        if total > budget:
+            raise self.fail(where, f"the file declares {_size(total)} of data to read, more than {read_ratio():g} "
+                                   f"times what it can hold ({_size(self.disk_bytes)} on disk)")
 
     def tensor_dtype(self, ds: h5py.Dataset, where: str) -> str | None:
         """The torch_dtype attribute of a tensor dataset, checked against the numpy dtype it is stored as."""
@@ -251,9 +330,25 @@ class Validator:
 _LINK_NAMES = {h5py.h5l.TYPE_SOFT: "soft link", h5py.h5l.TYPE_EXTERNAL: "link to another file"}
 
 
+def link_types(group: h5py.Group) -> dict[bytes, int]:
+    """{name (bytes, as stored): link type} of every member of group, in one pass over its links: a parameter's
+    group holds up to eight members the reader looks up, and one lookup each costs more than this pass."""
+    found: dict[bytes, int] = {}
+
+    def note(name: bytes, info) -> None:
+        found[name] = info.type
+
+    group.id.links.iterate(note, info=True)
+    return found
+
+
 def link_type(group: h5py.Group, name: str) -> int | None:
     """The type of the link group/name (h5py.h5l.TYPE_*), None when there is none; follows no link but hard links
     (a path like 'state/exp_avg' is resolved one hard-linked component at a time)."""
+    links = group.id.links
+    if "/" not in name:  # one component (the common case): one lookup
+        key = name.encode("utf-8")
+        return links.get_info(key).type if links.exists(key) else None
     parts = name.split("/")
     for i in range(1, len(parts) + 1):
         path = "/".join(parts[:i]).encode("utf-8")
@@ -273,6 +368,8 @@ def _product(values) -> int:
 
 
 def _is_utf8(text: str) -> bool:
+    if not isinstance(text, str):
+        return False
     try:
         text.encode("utf-8")
     except UnicodeEncodeError:  # h5py decodes invalid UTF-8 with surrogate escapes; "\\udcff" in JSON does too
@@ -426,35 +523,161 @@ def param_meta(check: Validator, group: h5py.Group, where: str) -> dict:
     return meta
 
 
-def record_index(check: Validator, group: h5py.Group, where: str) -> np.ndarray:
-    """A parameter's record index: for each row, the record it belongs to, non-negative and increasing."""
+def record_index(check: Validator, group: h5py.Group, where: str, links: dict | None = None) -> np.ndarray:
+    """A parameter's record index: for each row, the record it belongs to, non-negative and increasing.
+    links: the group's link_types, when the caller has them."""
     at = f"{where}: dataset '{schema.RECORD_INDEX}'"
-    index_ds = check.declared(group, schema.PARAMETER.dataset(schema.RECORD_INDEX), at)
+    index_ds = check.declared(group, schema.PARAMETER.dataset(schema.RECORD_INDEX), at, links=links)
     check.readable(index_ds, index_ds.shape[0], at)
     with check.reading(at):
-        records = index_ds[()].astype(np.int64, copy=False)
+        # read straight into an array of its (checked: native integer, rank 1) dtype; ds[()] costs 0.2 ms more
+        records = np.empty(index_ds.shape, index_ds.dtype)
+        if records.size:
+            index_ds.id.read(h5py.h5s.ALL, h5py.h5s.ALL, records)
+        records = records.astype(np.int64, copy=False)
     if len(records) and (records.min() < 0 or (np.diff(records) < 0).any()):
         raise check.fail(at, "record indices are negative or not in increasing order")
     return records
 
 
-def tensor_storage(check: Validator, group: h5py.Group, where: str, shape: tuple, num_rows: int) -> dict:
-    """{kind: storage torch dtype name} of the parameter's tensor datasets that are present: rows of the
-    parameter's shape, at least one per committed row, a torch_dtype matching the stored numpy dtype."""
-    storage: dict[str, str | None] = {}
-    for kind in schema.TENSOR_KINDS:
-        at = f"{where}: dataset {kind!r}"
-        ds = check.declared(group, schema.PARAMETER.dataset(kind), at)
-        if ds is None:
-            continue
-        if ds.shape[1:] != shape:
-            raise check.fail(at, f"has shape {ds.shape}: rows of {list(ds.shape[1:])}, but the parameter's shape is "
-                                 f"{list(shape)}")
-        if ds.shape[0] < num_rows:
-            raise check.fail(at, f"has {ds.shape[0]} rows, fewer than the parameter's {num_rows} committed records")
-        check.readable(ds, 1 if num_rows else 0, at)
-        storage[kind] = check.tensor_dtype(ds, at)
-    return storage
+class ParamDatasets:
+    """A parameter's tensor and state datasets, checked when they are first read, not when the file is opened.
+
+    Opening a run touches, per parameter, only its metadata, record index and state keys: HDF5 opens a dataset in
+    about 0.1 ms, and a 5,000-parameter run has 40,000 of them, which `upd info` never reads. The first read (or the
+    first dtype asked for) checks every dataset of the parameter at once: its kind of dtype and rank, its trailing
+    shape, at least one row per committed record, its torch_dtype, and the reading budget of the parameter as a
+    whole (all rows the reader may read, against what its datasets store). Links are checked at open: a soft or
+    external link is refused before anything follows it.
+
+    Behaves as {kind: storage torch dtype name} for the tensor kinds present; ``state_keys`` and ``state_dtypes``
+    ({key: storage dtype}) are the optimizer state's."""
+
+    def __init__(self, check: Validator, group: h5py.Group, where: str, shape: tuple, num_rows: int,
+                 links: dict | None = None):
+        self._check, self._group, self._where = check, group, where
+        self._shape, self._num_rows = shape, num_rows
+        # the group's {name: link type} (link_types), one pass over its links instead of a lookup per member
+        if links is None:
+            with check.reading(where):
+                links = link_types(group)
+        self._links = links
+        self._kinds = [k for k in schema.TENSOR_KINDS if self._linked(k, f"{where}: dataset {k!r}")]
+        self._dtypes: dict | None = None
+        self._state_dtypes: dict = {}
+        at = f"{where}: group '{schema.STATE_GROUP}'"
+        state = check.child(group, schema.STATE_GROUP, at, h5py.Group, required=False, links=links)  # not kept open
+        keys = [] if state is None else check.json_attr(state, schema.STATE_KEYS, at, list, default=[],
+                                                        required=False)
+        if not is_list_of_str(keys):
+            raise check.fail(at, f"attribute '{schema.STATE_KEYS}' is not a JSON list of strings")
+        self.state_keys = list(keys)
+        if keys and not self._linked(schema.STATE_PRESENT, f"{where}: dataset '{schema.STATE_PRESENT}'"):
+            raise check.fail(f"{where}: dataset '{schema.STATE_PRESENT}'", "missing")
+        self.state_dtypes = _StateDtypes(self)
+
+    def _linked(self, name: str, where: str) -> bool:
+        link = self._links.get(name.encode("utf-8"))
+        if link is not None and link != h5py.h5l.TYPE_HARD:
+            raise self._check.fail(where, f"is a {_LINK_NAMES.get(link, 'link')}; a run file holds its data itself")
+        return link is not None
+
+    def __contains__(self, kind) -> bool:
+        return kind in self._kinds
+
+    def __iter__(self):
+        return iter(self._kinds)
+
+    def __getitem__(self, kind: str) -> str | None:
+        if kind not in self._kinds:
+            raise KeyError(kind)
+        return self.checked()[kind]
+
+    def dtype_of(self, kind: str) -> str | None:
+        """The storage dtype of one kind, checking that dataset's dtype and row size alone (what `upd info` shows)."""
+        if self._dtypes is not None:
+            return self._dtypes[kind]
+        at = f"{self._where}: dataset {kind!r}"
+        ds = self._check.declared(self._group, schema.PARAMETER.dataset(kind), at, links=self._links)
+        self._check.readable(ds, 1 if self._num_rows else 0, at)  # declared rows it does not store: refused early
+        self._budget([(ds, min(self._num_rows, ds.shape[0]), at)])
+        return self._check.tensor_dtype(ds, at)
+
+    def checked(self) -> dict:
+        """Check every dataset of the parameter (once) and return {kind: storage dtype}."""
+        if self._dtypes is not None:
+            return self._dtypes
+        check, where, rows = self._check, self._where, self._num_rows
+        dtypes: dict[str, str | None] = {}
+        reads = []  # (dataset, rows the reader may read, where)
+        for kind in self._kinds:
+            at = f"{where}: dataset {kind!r}"
+            ds = check.declared(self._group, schema.PARAMETER.dataset(kind), at, required=True, links=self._links)
+            if ds.shape[1:] != self._shape:
+                raise check.fail(at, f"has shape {ds.shape}: rows of {list(ds.shape[1:])}, but the parameter's shape "
+                                     f"is {list(self._shape)}")
+            if ds.shape[0] < rows:
+                raise check.fail(at, f"has {ds.shape[0]} rows, fewer than the parameter's {rows} committed records")
+            check.readable(ds, 1 if rows else 0, at)
+            dtypes[kind] = check.tensor_dtype(ds, at)
+            reads.append((ds, rows, at))
+        if self.state_keys:
+            decl = schema.STATE.datasets[0]
+            state = self._group[schema.STATE_GROUP]
+            for key in self.state_keys:
+                at = f"{where}: state {key!r}"
+                ds = check.declared(state, decl, at, name=key)
+                if ds is not None:
+                    check.readable(ds, 1, at)
+                    self._state_dtypes[key] = check.tensor_dtype(ds, at)
+                    reads.append((ds, min(rows, ds.shape[0]), at))
+            at = f"{where}: dataset '{schema.STATE_PRESENT}'"
+            present = check.declared(self._group, schema.PARAMETER.dataset(schema.STATE_PRESENT), at, required=True,
+                                     links=self._links)
+            check.readable(present, 1, at)
+            reads.append((present, min(rows, present.shape[0]), at))
+        self._budget(reads)
+        self._dtypes = dtypes
+        return dtypes
+
+    def _budget(self, reads: list) -> None:
+        """Everything the reader may read from this parameter: at most MAX_READ_RATIO times what it stores (rows a
+        valid run never wrote, e.g. a gradient missing at some steps, read as fill values and are allowed for)."""
+        check = self._check
+        need = stored = 0
+        compressed = False
+        for ds, rows, at in reads:
+            need += check.block_bytes(ds, rows)
+            got, compresses = check.stored(ds, at)
+            stored += got
+            compressed |= compresses
+        stored = min(stored, check.holds)
+        if need > max(SMALL_READ_BYTES, stored * read_ratio()):
+            ds, rows, at = reads[0]
+            what = f"{rows} rows of {list(ds.shape[1:])}" if len(reads) == 1 else \
+                f"{len(reads)} datasets of up to {self._num_rows} rows"
+            raise check.fail(at if len(reads) == 1 else self._where, check.over_budget(what, need, stored, compressed))
+        for ds, rows, at in reads:
+            check.grant(ds.name, check.block_bytes(ds, rows), at)
+
+
+class _StateDtypes:
+    """{state key: storage dtype} of a ParamDatasets, checked at the first lookup."""
+
+    def __init__(self, datasets: ParamDatasets):
+        self._datasets = datasets
+
+    def get(self, key: str, default=None):
+        self._datasets.checked()
+        return self._datasets._state_dtypes.get(key, default)
+
+    def __getitem__(self, key: str):
+        self._datasets.checked()
+        return self._datasets._state_dtypes[key]
+
+    def __contains__(self, key) -> bool:
+        self._datasets.checked()
+        return key in self._datasets._state_dtypes
 
 
 def tensor_dataset(check: Validator, group: h5py.Group, name: str, where: str) -> str | None:
@@ -462,30 +685,6 @@ def tensor_dataset(check: Validator, group: h5py.Group, name: str, where: str) -
     ds = check.dataset(group, name, where, schema.TENSOR_NUMBERS)
     check.readable(ds, 1, where)
     return check.tensor_dtype(ds, where)
-
-
-def state_storage(check: Validator, group: h5py.Group, where: str) -> tuple[list[str], dict]:
-    """(state keys in state_present's column order, {key: storage torch dtype name}) of a parameter. A key's
-    dataset may be absent: only an error once a committed row says it is present (ParamRecord.state_at)."""
-    at = f"{where}: group '{schema.STATE_GROUP}'"
-    state = check.child(group, schema.STATE_GROUP, at, h5py.Group, required=False)
-    if state is None:
-        return [], {}
-    keys = check.json_attr(state, schema.STATE_KEYS, at, list, default=[], required=False)
-    if not is_list_of_str(keys):
-        raise check.fail(at, f"attribute '{schema.STATE_KEYS}' is not a JSON list of strings")
-    dtypes: dict[str, str | None] = {}
-    decl = schema.STATE.datasets[0]
-    for key in keys:
-        ds = check.declared(state, decl, f"{where}: state {key!r}", name=key)
-        if ds is not None:
-            check.readable(ds, 1, f"{where}: state {key!r}")
-            dtypes[key] = check.tensor_dtype(ds, f"{where}: state {key!r}")
-    if keys:
-        at = f"{where}: dataset '{schema.STATE_PRESENT}'"
-        present = check.declared(group, schema.PARAMETER.dataset(schema.STATE_PRESENT), at, required=True)
-        check.readable(present, 1, at)
-    return list(keys), dtypes
 
 
 def param_groups(check: Validator, params: list, groups: int, where: str) -> None:

@@ -16,6 +16,7 @@ from __future__ import annotations
 import errno
 import os
 import shutil
+from types import SimpleNamespace
 
 import h5py
 import numpy as np
@@ -25,6 +26,7 @@ from . import encoding, schema
 from .guards import SUPERBLOCK_BYTES, parse_superblock
 from .livelock import WriterLocks
 from .record import ParamSnapshot, Record, param_meta
+from .stats_table import StatsTableWriter
 
 try:
     import resource  # POSIX: the file-size limit counts as space
@@ -77,11 +79,16 @@ class RunWriter:
         self.storage_dtype = storage_dtype
         self.compression = compression
         self._records_written: dict[int, int] = {}
-        self._stats_layout: dict[int, dict] = {}
+        self._stats_tables: dict[int, StatsTableWriter] = {}  # optimizer -> its statistics table, kept open
+        self._tensor_layouts: dict = {}  # tensor dataset id -> (stored torch dtype, numpy dtype, whole-row chunks)
+        self._scalar_columns: dict[int, dict[str, int]] = {}  # optimizer -> {scalar name: column}
         if resume and os.path.exists(self.path):
             self._reopen(meta)
             return
         mode = "w" if overwrite else "w-"
+        if os.path.islink(self.path):  # "w" would truncate the link's target, "w-" refuses it as existing anyway
+            raise FileExistsError(f"{self.path} is a symbolic link; a run is never written through one (overwrite=True "
+                                  "replaces files, not what a link points to): remove the link or record to its target")
         parent = os.path.dirname(os.path.abspath(self.path))
         os.makedirs(parent, exist_ok=True)  # upd.record("runs/exp1.h5", ...) creates runs/
         try:
@@ -147,6 +154,9 @@ class RunWriter:
             if schema.STATS in opt:
                 stats = opt[schema.STATS]
                 _truncate(stats, schema.STATS_TABLE, int(stats[schema.COMMIT_COLUMN].shape[0]))
+            if schema.SCALARS in opt:
+                scalars = opt[schema.SCALARS]
+                _truncate(scalars, schema.SCALARS_TABLE, int(scalars[schema.COMMIT_COLUMN].shape[0]))
         self._flushed()
 
     def _optimizer(self, index: int) -> h5py.Group | None:
@@ -179,9 +189,10 @@ class RunWriter:
 
     def _param_group(self, optimizer: int, snap: ParamSnapshot) -> h5py.Group:
         params = self._optimizer(optimizer)[schema.PARAMS]
-        if snap.name in params:
-            return params[snap.name]
-        grp = params.create_group(snap.name)
+        key = schema.param_key(snap.name)  # '/' would be an HDF5 path separator: escaped, reversibly
+        if key in params:
+            return params[key]
+        grp = params.create_group(key)
         reference = snap.param if snap.param is not None else snap.grad if snap.grad is not None else snap.param_after
         grp.attrs[schema.ATTR_META] = encoding.to_json(param_meta(snap, reference))
         _create_declared(grp, schema.PARAMETER)  # the record index and state_present; tensors at their first row
@@ -211,8 +222,21 @@ class RunWriter:
         ds[row] = value
 
     def _write_tensor(self, ds: h5py.Dataset, row: int, tensor: torch.Tensor) -> None:
-        array = encoding.tensor_to_numpy(tensor, ds.attrs[schema.ATTR_TORCH_DTYPE])
-        self._append(ds, row, array)
+        layout = self._tensor_layouts.get(ds.id)
+        if layout is None:  # read once per dataset: attributes and the creation property list cost a call each
+            whole_rows = ds.compression is None and ds.chunks == (1, *ds.shape[1:]) and ds.ndim > 1
+            layout = self._tensor_layouts[ds.id] = (ds.attrs[schema.ATTR_TORCH_DTYPE], ds.dtype, whole_rows)
+        stored_as, dtype, whole_rows = layout
+        array = encoding.tensor_to_numpy(tensor, stored_as)
+        if whole_rows and array.dtype == dtype and array.flags.c_contiguous and array.shape == ds.shape[1:]:
+            # (a tensor whose shape changed under the same name goes the checked way below, and fails there)
+            # One uncompressed chunk per row: its bytes go to the file as they are, with no selection, conversion
+            # or chunk-cache copy (2x the throughput of ds[row] = array, docs/performance.md).
+            if ds.shape[0] <= row:
+                ds.resize(row + 1, axis=0)
+            ds.id.write_direct_chunk((row,) + (0,) * array.ndim, array)
+        else:
+            self._append(ds, row, array)
 
     def _check_space(self, rec: Record) -> int:
         """Refuse a record the disk (or the process's file-size limit) cannot take, before writing any of it; return
@@ -228,6 +252,7 @@ class RunWriter:
                     datasets += 1
         if rec.stats is not None:
             nbytes += 64 * len(rec.stats) * 4
+        nbytes += sum(8 * (len(values) + 2) for _, _, values in rec.scalars)
         # Twice the data (chunk allocation, alignment) plus B-tree/heap growth per dataset touched, plus slack.
         need = 2 * nbytes + 4096 * datasets + (256 << 10)
         free = shutil.disk_usage(os.path.dirname(os.path.abspath(self.path))).free
@@ -264,88 +289,88 @@ class RunWriter:
                                          "kept") from None
             # EOPNOTSUPP, EINVAL, ENODEV...: the filesystem cannot reserve; the estimate above stands alone
 
-    def write(self, rec: Record) -> None:
-        """Write one step (full tensors, statistics, or both) with the commit protocol."""
+    def write(self, rec: Record | list) -> None:
+        """Write one step (full tensors, statistics, or both) with the commit protocol; or a list of steps in one
+        go (AsyncRunWriter batches statistics-only steps): all their rows, one flush, all their commits, one flush."""
+        recs = rec if isinstance(rec, list) else [rec]
         self._check_still_there()
-        need = self._check_space(rec)
+        need = sum(self._check_space(r) for r in recs)
         self._locks.begin()  # the reservation changes the file's length: a live reader must not be copying it
         self._reserve(need)
-        if rec.full:
-            self._write_full(rec)
-        if rec.stats is not None:
-            self._write_stats(rec)
+        stats, scalars = {}, {}  # optimizer -> its statistics records / logged-scalar rows, in order
+        for rec in recs:
+            if rec.full:
+                self._write_full(rec)
+            if rec.stats is not None:
+                stats.setdefault(rec.optimizer, []).append(rec)
+            if rec.scalars:
+                scalars.setdefault(rec.optimizer, []).extend(rec.scalars)
+        scalar_blocks = [SimpleNamespace(optimizer=index, scalars=rows) for index, rows in scalars.items()]
+        for block in scalar_blocks:
+            self._write_scalars(block)
+        for index, rows in stats.items():
+            self._stats_table(index).write(rows)
         self.file.flush()
         self._reserve(256 << 10)  # the commit below grows a few B-trees: it must not be the write that fails
         # The commit: a record exists for readers once its step is appended, and only after its rows are durable.
-        opt = self._optimizer(rec.optimizer)
-        if rec.full:
-            self._append(opt[schema.RECORDS][schema.COMMIT_COLUMN], self._records_written[rec.optimizer], rec.step)
-            self._records_written[rec.optimizer] += 1
-        if rec.stats is not None:
-            commit = opt[schema.STATS][schema.COMMIT_COLUMN]
-            self._append(commit, commit.shape[0], rec.step)
+        for index, rows in stats.items():
+            self._stats_table(index).commit(rows)
+        for rec in recs:
+            if rec.full:
+                opt = self._optimizer(rec.optimizer)
+                self._append(opt[schema.RECORDS][schema.COMMIT_COLUMN], self._records_written[rec.optimizer],
+                             rec.step)
+                self._records_written[rec.optimizer] += 1
+        for block in scalar_blocks:
+            self._commit_scalars(block)
         self._flushed()
 
-    def _stats_group(self, optimizer: int) -> h5py.Group:
-        opt = self._optimizer(optimizer)
-        if schema.STATS in opt:
-            return opt[schema.STATS]
-        st = opt.create_group(schema.STATS)
-        _create_declared(st, schema.STATS_TABLE)  # values: at the first row, when its width is known
-        st.attrs[schema.STATS_PARAMS] = encoding.to_json([])
-        st.attrs[schema.STATS_COLUMNS] = encoding.to_json([])
-        st.attrs[schema.STATS_PARAM_META] = encoding.to_json({})
-        return st
+    def _commit_scalars(self, rec) -> None:
+        """Append the steps of `rec.scalars` (a record's, or a batch's of one optimizer) to its scalars table."""
+        opt = self._optimizer(rec.optimizer)
+        if rec.scalars:
+            commit = opt[schema.SCALARS][schema.COMMIT_COLUMN]
+            start = commit.shape[0]
+            commit.resize(start + len(rec.scalars), axis=0)
+            commit[start:] = [step for step, _, _ in rec.scalars]
 
-    def _write_stats(self, rec: Record) -> None:
-        st = self._stats_group(rec.optimizer)
-        row = st[schema.COMMIT_COLUMN].shape[0]
-        # The table's layout is kept in memory: decoding the JSON attributes at every step cost more than the row.
-        layout = self._stats_layout.get(rec.optimizer)
-        if layout is None:
-            layout = self._stats_layout[rec.optimizer] = {
-                "params": list(encoding.from_json(st.attrs[schema.STATS_PARAMS])),
-                "columns": list(encoding.from_json(st.attrs[schema.STATS_COLUMNS]))}
-            layout["param_index"] = {n: i for i, n in enumerate(layout["params"])}
-            layout["column_index"] = {c: i for i, c in enumerate(layout["columns"])}
-        params, columns = layout["params"], layout["columns"]
-        param_index, column_index = layout["param_index"], layout["column_index"]
-        new_params = [name for name in rec.stats if name not in param_index]
-        new_columns = []
-        for values in rec.stats.values():
-            for c in values:
-                if c not in column_index:
-                    column_index[c] = len(columns)
-                    columns.append(c)
-                    new_columns.append(c)
-        for name in new_params:
-            param_index[name] = len(params)
-            params.append(name)
-        if schema.VALUES not in st:
-            # Chunks of up to 64 steps, at most 512 KiB: appends stay in HDF5's default 1 MiB chunk cache until the
-            # chunk is full, and a 10,000-step table loads in a few dozen reads.
-            values = schema.STATS_TABLE.dataset(schema.VALUES)
-            row_bytes = max(1, len(params)) * max(1, len(columns)) * np.dtype(values.dtype).itemsize
-            rows = int(min(64, max(1, (512 << 10) // row_bytes)))
-            _create(st, values, shape=(0, len(params), len(columns)),
-                    chunks=(rows, max(1, len(params)), max(1, len(columns))))
-        ds = st[schema.VALUES]
-        if ds.shape[1] < len(params) or ds.shape[2] < len(columns):
-            ds.resize((ds.shape[0], len(params), len(columns)))
-        if new_params or new_columns:
-            st.attrs[schema.STATS_PARAMS] = encoding.to_json(params)
-            st.attrs[schema.STATS_COLUMNS] = encoding.to_json(columns)
-        if new_params:
-            meta = encoding.from_json(st.attrs[schema.STATS_PARAM_META])
-            meta.update({name: rec.stats_meta.get(name, {}) for name in new_params})
-            st.attrs[schema.STATS_PARAM_META] = encoding.to_json(meta)
-        table = np.full((len(params), len(columns)), np.nan, dtype=ds.dtype)
-        for name, values in rec.stats.items():
-            r = param_index[name]
-            table[r, [column_index[c] for c in values]] = list(values.values())
-        self._append(ds, row, table)
-        self._append(st[schema.WALL_TIME], row, rec.wall_time)
-        self._append_lr(st[schema.LR], row, rec.hparams)
+    def _stats_table(self, optimizer: int) -> StatsTableWriter:
+        table = self._stats_tables.get(optimizer)
+        if table is None:
+            table = self._stats_tables[optimizer] = StatsTableWriter(self._optimizer(optimizer))
+        return table
+
+    def _write_scalars(self, rec: Record) -> None:
+        """The record's logged scalars as rows of the scalars table (committed by the caller, with its step)."""
+        opt = self._optimizer(rec.optimizer)
+        if schema.SCALARS not in opt:
+            table = opt.create_group(schema.SCALARS)
+            _create_declared(table, schema.SCALARS_TABLE)
+            table.attrs[schema.SCALAR_COLUMNS] = encoding.to_json([])
+        table = opt[schema.SCALARS]
+        columns = self._scalar_columns.get(rec.optimizer)
+        if columns is None:
+            known = encoding.from_json(table.attrs[schema.SCALAR_COLUMNS])
+            columns = self._scalar_columns[rec.optimizer] = {name: i for i, name in enumerate(known)}
+        added = False
+        for _, _, values in rec.scalars:
+            for name in values:
+                if name not in columns:
+                    columns[name] = len(columns)
+                    added = True
+        if added:
+            table.attrs[schema.SCALAR_COLUMNS] = encoding.to_json(list(columns))
+        start = table[schema.COMMIT_COLUMN].shape[0]
+        block = np.full((len(rec.scalars), len(columns)), np.nan)
+        for i, (_, _, values) in enumerate(rec.scalars):
+            for name, value in values.items():
+                block[i, columns[name]] = value
+        ds = table[schema.VALUES]
+        ds.resize((start + len(rec.scalars), max(ds.shape[1], len(columns))))
+        ds[start:, : len(columns)] = block
+        wall = table[schema.WALL_TIME]
+        wall.resize(start + len(rec.scalars), axis=0)
+        wall[start:] = [wall_time for _, wall_time, _ in rec.scalars]
 
     def _write_full(self, rec: Record) -> None:
         opt = self._optimizer(rec.optimizer)

@@ -29,7 +29,7 @@ def adadelta_step(param, grad, square_avg, acc_delta, *, lr, rho, eps, weight_de
 
 
 # torch initialises both averages to zero on the first step
-@register(torch.optim.Adadelta, state={"square_avg": zeros, "acc_delta": zeros}, counts_steps=True)
+@register(torch.optim.Adadelta, state={"square_avg": zeros, "acc_delta": zeros}, counts_steps=True, elementwise=True)
 def adadelta(param, grad, state, group, step):
     new_param, square_avg, acc_delta = adadelta_step(
         param, grad, state["square_avg"], state["acc_delta"], lr=group["lr"], rho=group["rho"], eps=group["eps"],

@@ -62,7 +62,8 @@ ADAFACTOR_STATE = {
 }
 
 
-@register(torch.optim.Adafactor, state=ADAFACTOR_STATE, counts_steps=True, needs_whole_tensor=True)
+# By name: torch.optim.Adafactor is absent from older torch, and `import upd` must work there.
+@register("torch.optim.Adafactor", state=ADAFACTOR_STATE, counts_steps=True, needs_whole_tensor=True)
 def adafactor(param, grad, state, group, step):
     eps1, eps2 = group["eps"]
     if eps1 is None:

@@ -40,7 +40,7 @@ def _initial_sum(param, group):
     return torch.full_like(param, group.get("initial_accumulator_value", 0.0))
 
 
-@register(torch.optim.Adagrad, state={"sum": _initial_sum}, counts_steps=True)
+@register(torch.optim.Adagrad, state={"sum": _initial_sum}, counts_steps=True, elementwise=True)
 def adagrad(param, grad, state, group, step):
     new_param, state_sum = adagrad_step(
         param, grad, state["sum"], step, lr=group["lr"], lr_decay=group.get("lr_decay", 0.0),

@@ -35,12 +35,12 @@ def adam_step(param, grad, exp_avg, exp_avg_sq, max_exp_avg_sq, step, *, lr, bet
 ADAM_STATE = {"exp_avg": zeros, "exp_avg_sq": zeros, "max_exp_avg_sq": kept_when("amsgrad")}
 
 
-@register(torch.optim.Adam, state=ADAM_STATE, counts_steps=True)
+@register(torch.optim.Adam, state=ADAM_STATE, counts_steps=True, elementwise=True)
 def adam(param, grad, state, group, step):
     return _replay(param, grad, state, group, step, decoupled_default=False)
 
 
-@register(torch.optim.AdamW, state=ADAM_STATE, counts_steps=True)
+@register(torch.optim.AdamW, state=ADAM_STATE, counts_steps=True, elementwise=True)
 def adamw(param, grad, state, group, step):
     # AdamW is Adam with decoupled_weight_decay=True; older torch versions wrote groups without that key.
     return _replay(param, grad, state, group, step, decoupled_default=True)

@@ -32,7 +32,7 @@ def adamax_step(param, grad, exp_avg, exp_inf, step, *, lr, beta1, beta2, eps, w
 
 
 # torch initialises both moments to zero on the first step
-@register(torch.optim.Adamax, state={"exp_avg": zeros, "exp_inf": zeros}, counts_steps=True)
+@register(torch.optim.Adamax, state={"exp_avg": zeros, "exp_inf": zeros}, counts_steps=True, elementwise=True)
 def adamax(param, grad, state, group, step):
     beta1, beta2 = group["betas"]
     new_param, exp_avg, exp_inf = adamax_step(

@@ -37,7 +37,7 @@ def asgd_step(param, grad, ax, eta, mu, step, *, lr, lambd, alpha, t0, weight_de
 ASGD_STATE = {"eta": lambda param, group: group["lr"], "mu": lambda param, group: 1.0, "ax": zeros}
 
 
-@register(torch.optim.ASGD, state=ASGD_STATE, counts_steps=True)
+@register(torch.optim.ASGD, state=ASGD_STATE, counts_steps=True, elementwise=True)
 def asgd(param, grad, state, group, step):
     new_param, ax, eta, mu = asgd_step(
         param, grad, state["ax"], float(state["eta"]), float(state["mu"]), step, lr=group["lr"],

@@ -79,7 +79,8 @@ def _fits_float32(*tensors) -> bool:
     return all(bool((t.float().double() == t).all()) for t in tensors)
 
 
-@register(torch.optim.Muon, rtol=MUON_RTOL, state={"momentum_buffer": zeros}, needs_whole_tensor=True)
+# By name: torch.optim.Muon is absent from older torch, and `import upd` must work there.
+@register("torch.optim.Muon", rtol=MUON_RTOL, state={"momentum_buffer": zeros}, needs_whole_tensor=True)
 def muon(param, grad, state, group, step):
     if param.dim() != 2:
         raise NotReplayable(f"Muon updates 2-D parameters only; this one has shape {tuple(param.shape)}")

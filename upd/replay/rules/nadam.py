@@ -55,7 +55,7 @@ def nadam_step(param, grad, exp_avg, exp_avg_sq, mu_product, step, *, lr, beta1,
 NADAM_STATE = {"exp_avg": zeros, "exp_avg_sq": zeros, "mu_product": lambda param, group: 1.0}
 
 
-@register(torch.optim.NAdam, state=NADAM_STATE, counts_steps=True)
+@register(torch.optim.NAdam, state=NADAM_STATE, counts_steps=True, elementwise=True)
 def nadam(param, grad, state, group, step):
     beta1, beta2 = group["betas"]
     new_param, exp_avg, exp_avg_sq, mu_product = nadam_step(

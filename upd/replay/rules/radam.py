@@ -69,7 +69,7 @@ def radam_step(param, grad, exp_avg, exp_avg_sq, step, *, lr, beta1, beta2, eps,
 
 
 # torch initialises both moments to zero on the first step
-@register(torch.optim.RAdam, state={"exp_avg": zeros, "exp_avg_sq": zeros}, counts_steps=True)
+@register(torch.optim.RAdam, state={"exp_avg": zeros, "exp_avg_sq": zeros}, counts_steps=True, elementwise=True)
 def radam(param, grad, state, group, step):
     beta1, beta2 = group["betas"]
     differentiable = bool(group.get("differentiable", False))

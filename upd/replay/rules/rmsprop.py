@@ -44,7 +44,7 @@ RMSPROP_STATE = {"square_avg": zeros, "grad_avg": kept_when("centered"),
                  "momentum_buffer": kept_when(lambda param, group: group.get("momentum", 0) > 0)}
 
 
-@register(torch.optim.RMSprop, state=RMSPROP_STATE, counts_steps=True)
+@register(torch.optim.RMSprop, state=RMSPROP_STATE, counts_steps=True, elementwise=True)
 def rmsprop(param, grad, state, group, step):
     new_param, square_avg, grad_avg, momentum_buffer = rmsprop_step(
         param, grad, state["square_avg"], state.get("grad_avg"), state.get("momentum_buffer"), lr=group["lr"],

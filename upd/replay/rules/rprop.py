@@ -45,7 +45,7 @@ def rprop_step(param, grad, prev, step_size, *, etaminus, etaplus, step_size_min
 RPROP_STATE = {"prev": zeros, "step_size": lambda param, group: torch.full_like(param, group["lr"])}
 
 
-@register(torch.optim.Rprop, state=RPROP_STATE, counts_steps=True)
+@register(torch.optim.Rprop, state=RPROP_STATE, counts_steps=True, elementwise=True)
 def rprop(param, grad, state, group, step):
     etaminus, etaplus = group["etas"]
     step_size_min, step_size_max = group["step_sizes"]

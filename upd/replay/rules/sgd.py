@@ -19,7 +19,7 @@ def sgd_step(param, grad, momentum_buffer, *, lr, momentum, dampening, weight_de
     return param - lr * grad, buf
 
 
-@register(torch.optim.SGD)
+@register(torch.optim.SGD, elementwise=True)
 def sgd(param, grad, state, group, step):
     new_param, buf = sgd_step(param, grad, state.get("momentum_buffer"), lr=group["lr"],
                               momentum=group.get("momentum", 0), dampening=group.get("dampening", 0),

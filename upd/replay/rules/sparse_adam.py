@@ -47,7 +47,8 @@ def sparse_adam_step(param, grad, exp_avg, exp_avg_sq, step, rows, *, lr, beta1,
 
 
 # torch initialises the moments to zero on the first step
-@register(torch.optim.SparseAdam, state={"exp_avg": zeros, "exp_avg_sq": zeros}, counts_steps=True)
+@register(torch.optim.SparseAdam, state={"exp_avg": zeros, "exp_avg_sq": zeros}, counts_steps=True,
+          needs_whole_rows=True)
 def sparse_adam(param, grad, state, group, step):
     beta1, beta2 = group["betas"]
     new_param, exp_avg, exp_avg_sq = sparse_adam_step(

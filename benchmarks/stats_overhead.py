@@ -1,0 +1,300 @@
+"""Statistics at every step against the hand-written loop they replace, side by side in one run.
+
+    python -m benchmarks.stats_overhead [--quick] [--workloads transformer,mlp,tiny] [--rounds N] [--json FILE]
+
+The hand loop is the one a user writes without torch-upd (docs/background.md): clone each weight before the step;
+after it, per weight, ``(update.std() / before.std()).log10().item()``. It gives update:data of the weights only.
+``upd.record(path, model, opt, every=None, stats_every=1)`` gives, for every parameter at every step, the
+update:data and grad:data ratios, the mean, std and norm of the parameter, its gradient and its update, and their
+NaN/Inf counts, written to the run file; the full statistics set (absmax, zero fractions, optimizer-state moments)
+comes at its own cadence (``full_stats_every=``, measured here as its own variant at every step).
+
+Workloads (AdamW, one training thread): the reference GPT-style transformer (5.8M parameters in 77 tensors), the
+wide MLP whose step the optimizer dominates (16.8M parameters in 10 tensors), and a tiny GPT (29 tensors) whose
+step is so short that what is measured is the recorder's fixed cost per step.
+
+Method: the variants run in blocks of steps, round-robin in one process, the order rotated each round. A block's
+cost is the process CPU time (all threads: the writer thread's work counts) of its timed steps, plus the time to
+let the writer thread catch up with them, divided by the steps; the overhead of a variant is its block's cost over
+the plain block's of the same round; tables show the median over rounds and [q1, q3]. Wall clock is printed too.
+"""
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import shutil
+import tempfile
+import time
+import warnings
+
+import torch
+import torch.nn.functional as F
+
+import upd
+from benchmarks.overhead import GPT, Workload, gpt_workload, median, mlp_workload, quartiles, table
+
+
+def tiny_workload() -> Workload:
+    """A 2-block GPT, width 32: 29 parameter tensors, a step of a few milliseconds."""
+    vocab, ctx, batch = 64, 16, 4
+    torch.manual_seed(0)
+    model = GPT(vocab=vocab, ctx=ctx, d=32, layers=2, heads=4)
+    gen = torch.Generator().manual_seed(1)
+    batches = [(torch.randint(0, vocab, (batch, ctx), generator=gen),
+                torch.randint(0, vocab, (batch, ctx), generator=gen)) for _ in range(4)]
+
+    def loss_fn(m, b):
+        x, y = b
+        return F.cross_entropy(m(x).view(-1, vocab), y.view(-1))
+
+    params = list(model.parameters())
+    n = sum(p.numel() for p in params)
+    return Workload("tiny", model, batches, loss_fn,
+                    f"GPT, 2 blocks, d_model 32, 4 heads, vocab {vocab}: {n / 1e3:.1f}k params in {len(params)} "
+                    f"tensors; batch {batch} x context {ctx}; AdamW")
+
+
+class Plain:
+    name, label = "plain", "plain training"
+
+    def start(self, w, path):
+        pass
+
+    def before(self, w):
+        pass
+
+    def after(self, w):
+        pass
+
+    def drain(self):
+        pass
+
+    def stop(self):
+        pass
+
+
+class HandLoop(Plain):
+    """The loop a user writes: clone each weight before the step, then per weight
+    (update.std() / before.std()).log10().item() after it (the seed's second clone, after the ratio, is the next
+    step's first one: left out)."""
+    name, label = "hand", "hand loop: clone each weight; std(update)/std(weight) .log10().item()"
+
+    def start(self, w, path):
+        self.named = [(n, p) for n, p in w.model.named_parameters() if p.requires_grad and "weight" in n]
+
+    def before(self, w):
+        self.before_step = [p.data.clone() for _, p in self.named]
+
+    def after(self, w):
+        self.values = {}
+        for (n, p), b in zip(self.named, self.before_step):
+            self.values[n] = ((p.data - b).std() / b.std()).log10().item()
+        self.before_step = None
+
+
+class Recorded(Plain):
+    """upd.record, with timing hooks registered around the recorder's own: the optimizer runs step hooks in the
+    order they were registered, so a hook registered before upd.record and one after it bracket the recorder's."""
+
+    def __init__(self, name, label, **options):
+        self.name, self.label, self.options = name, label, options
+
+    def start(self, w, path):
+        self.marks = {}
+
+        def mark(key):
+            return lambda *args: self.marks.__setitem__(key, time.thread_time())
+        self.handles = [w.opt.register_step_pre_hook(mark("pre0")), w.opt.register_step_post_hook(mark("post0"))]
+        self.rec = upd.record(path, w.model, w.opt, overwrite=True, **self.options)
+        self.handles += [w.opt.register_step_pre_hook(mark("pre1")), w.opt.register_step_post_hook(mark("post1"))]
+        thread = getattr(self.rec._writer, "_thread", None)
+        self.writer_clock = time.pthread_getcpuclockid(thread.ident) if thread is not None else None
+
+    def hook_seconds(self) -> float:
+        """The recorder's pre- and post-step hooks of the last step, on the training thread."""
+        m = self.marks
+        return (m["pre1"] - m["pre0"]) + (m["post1"] - m["post0"])
+
+    def writer_cpu(self) -> float:
+        return time.clock_gettime(self.writer_clock) if self.writer_clock is not None else 0.0
+
+    def drain(self):
+        """Wait (sleeping: no CPU time) until the writer thread has written every record handed to it."""
+        writer = self.rec._writer
+        while getattr(writer, "records_written", self.rec.records) < self.rec.records and writer.error is None:
+            time.sleep(0.0005)
+
+    def stop(self):
+        for handle in self.handles:
+            handle.remove()
+        self.rec.close()
+        if self.rec.error is not None:
+            raise RuntimeError(f"{self.name}: the recorder stopped: {self.rec.error!r}")
+
+
+def variants_available() -> list:
+    out = [Plain(), HandLoop(), Recorded("stats", "upd statistics, default (stats_every=1)", every=None,
+                                         stats_every=1)]
+    import inspect
+    if "full_stats_every" in inspect.signature(upd.Recorder.__init__).parameters:
+        out.append(Recorded("stats_full", "upd statistics, full set at every step (full_stats_every=1)",
+                            every=None, stats_every=1, full_stats_every=1))
+    return out
+
+
+def run_block(w: Workload, variant, path: str, steps: int, warmup: int) -> dict:
+    """Per step: wall and process CPU time of the whole step, and the variant's own work on the training thread
+    (the hand loop's code, the recorder's hooks) plus the recorder's writer thread CPU time ("own")."""
+    gc.collect()
+    variant.start(w, path)
+    for _ in range(warmup):
+        w.step(variant)
+    variant.drain()
+    own = []
+    writer_start = variant.writer_cpu() if isinstance(variant, Recorded) else 0.0
+    t, c = time.perf_counter(), time.process_time()
+    for _ in range(steps):
+        w.forward_backward()
+        a = time.thread_time()
+        variant.before(w)
+        b = time.thread_time()
+        w.opt.step()
+        d = time.thread_time()
+        variant.after(w)
+        e = time.thread_time()
+        own.append((b - a) + (e - d) + (variant.hook_seconds() if isinstance(variant, Recorded) else 0.0))
+    variant.drain()
+    wall, cpu = time.perf_counter() - t, time.process_time() - c
+    writer = (variant.writer_cpu() - writer_start) / steps if isinstance(variant, Recorded) else 0.0
+    variant.stop()
+    if os.path.exists(path):
+        os.remove(path)
+    return {"wall": wall / steps, "cpu": cpu / steps, "own": median(own) + writer, "writer": writer}
+
+
+def measure(w: Workload, variants: list, rounds: int, steps: int, warmup: int, workdir: str) -> dict:
+    blocks = {v.name: [] for v in variants}
+    for r in range(rounds):
+        shift = r % len(variants)
+        for v in variants[shift:] + variants[:shift]:
+            blocks[v.name].append(run_block(w, v, os.path.join(workdir, f"{w.name}-{v.name}.h5"), steps, warmup))
+        print(f"  {w.name} round {r + 1}/{rounds}, ms/step CPU (wall): " + "  ".join(
+            f"{v.name} {blocks[v.name][-1]['cpu'] * 1e3:.2f} ({blocks[v.name][-1]['wall'] * 1e3:.2f})"
+            for v in variants), flush=True)
+    out = {"workload": w.name, "desc": w.desc, "rounds": rounds, "steps": steps, "variants": {}}
+    plain = blocks["plain"]
+    for v in variants:
+        x = {"label": v.label}
+        # The variant's own work over the plain step of the same round: immune to the step's own noise.
+        x["own_ms"] = median([b["own"] for b in blocks[v.name]]) * 1e3
+        x["writer_ms"] = median([b["writer"] for b in blocks[v.name]]) * 1e3
+        x["own_ratio"] = median([b["own"] / p["cpu"] for b, p in zip(blocks[v.name], plain)])
+        x["own_q"] = quartiles([b["own"] / p["cpu"] for b, p in zip(blocks[v.name], plain)])
+        for clock in ("cpu", "wall"):
+            ratios = [b[clock] / p[clock] for b, p in zip(blocks[v.name], plain)]
+            x[f"{clock}_ms"] = median([b[clock] for b in blocks[v.name]]) * 1e3
+            x[f"{clock}_ratio"] = median(ratios)
+            x[f"{clock}_q"] = quartiles(ratios)
+            x[f"{clock}_over_ms"] = median([(b[clock] - p[clock]) * 1e3 for b, p in zip(blocks[v.name], plain)])
+            x[f"{clock}_per_round"] = ratios
+        out["variants"][v.name] = x
+    return out
+
+
+def pct(r: float) -> str:
+    return f"{(r - 1) * 100:+.1f}%"
+
+
+def report(o: dict) -> str:
+    rows = []
+    for name, x in o["variants"].items():
+        base = name == "plain"
+        q1, q3 = x["cpu_q"]
+        o1, o3 = x["own_q"]
+        rows.append([x["label"], f"{x['cpu_ms']:.2f}", "-" if base else f"{pct(x['cpu_ratio'])} [{pct(q1)}, {pct(q3)}]",
+                     "-" if base else f"{x['cpu_over_ms']:+.2f}",
+                     "-" if base else f"{x['own_ms']:.2f} ({x['writer_ms']:.2f})",
+                     "-" if base else f"{x['own_ratio'] * 100:.1f}% [{o1 * 100:.1f}%, {o3 * 100:.1f}%]",
+                     f"{x['wall_ms']:.2f}", "-" if base else pct(x["wall_ratio"])])
+    lines = [f"### {o['workload']}: {o['desc']}",
+             f"{o['rounds']} rounds, {o['steps']} timed steps per block; CPU time of the process per step.", "",
+             table(["variant", "CPU ms/step", "CPU overhead [q1, q3]", "CPU ms over plain",
+                    "own work ms/step (writer thread)", "own work / plain step [q1, q3]", "wall ms/step",
+                    "wall overhead"], rows),
+             "",
+             "Own work: the hand loop's code, or the recorder's step hooks, on the training thread (median step), plus "
+             "the writer thread's CPU time per step; over the plain step's CPU time of the same round."]
+    v = o["variants"]
+    if "hand" in v and "stats" in v:
+        s, h = v["stats"]["cpu_ratio"] - 1, v["hand"]["cpu_ratio"] - 1
+        lines.append("")
+        lines.append(f"statistics / hand loop, CPU overhead: {s * 100:+.1f}% / {h * 100:+.1f}%"
+                     + (f" = {s / h:.2f}x" if h > 0 else "") + f"; CPU ms over plain: statistics "
+                     f"{v['stats']['cpu_over_ms']:.2f}, hand loop {v['hand']['cpu_over_ms']:.2f}")
+        lines.append(f"own work: statistics {v['stats']['own_ms']:.2f} ms/step, hand loop {v['hand']['own_ms']:.2f}"
+                     f" ms/step = {v['stats']['own_ms'] / v['hand']['own_ms']:.2f}x")
+    return "\n".join(lines)
+
+
+def verdicts(results: dict) -> list:
+    out = []
+    for name, o in results.items():
+        v = o["variants"]
+        if "stats" not in v or "hand" not in v:
+            continue
+        s, h = v["stats"]["cpu_ratio"] - 1, v["hand"]["cpu_ratio"] - 1
+        so, ho = v["stats"]["own_ms"], v["hand"]["own_ms"]
+        out.append(f"{name}: whole step, statistics {s * 100:+.1f}% vs hand loop {h * 100:+.1f}% (CPU): "
+                   + ("MET" if s <= h else "NOT MET") + f"; own work {so:.2f} vs {ho:.2f} ms/step: "
+                   + ("MET" if so <= ho else "NOT MET") + " (statistics <= hand loop)")
+        if name == "transformer":
+            share = v["stats"]["own_ratio"]
+            out.append(f"{name}: statistics {s * 100:+.1f}% of a step by whole-step CPU, {share * 100:.1f}% by own "
+                       "work (target <= 3%): " + ("MET" if min(s, share) <= 0.03 else "NOT MET")
+                       + ("" if max(s, share) <= 0.03 else " by one measure only" if min(s, share) <= 0.03 else ""))
+        if name == "tiny":
+            ms, so = v["stats"]["cpu_over_ms"], v["stats"]["own_ms"]
+            out.append(f"{name}: statistics fixed cost {ms:.2f} ms/step by whole-step CPU, {so:.2f} ms by own work "
+                       "(target about 1 ms): " + ("MET" if min(ms, so) <= 1.0 else "NOT MET"))
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--quick", action="store_true", help="fewer rounds: a smoke run")
+    ap.add_argument("--workloads", default="transformer,mlp,tiny")
+    ap.add_argument("--rounds", type=int, default=None)
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    warnings.simplefilter("error", upd.RecorderWarning)
+    plans = {"transformer": (gpt_workload, 6, 3), "mlp": (mlp_workload, 6, 4), "tiny": (tiny_workload, 8, 60)}
+    workdir = tempfile.mkdtemp(prefix="upd-stats-bench-")
+    results = {}
+    load_start = os.getloadavg()[0]
+    try:
+        for name in args.workloads.split(","):
+            make, rounds, steps = plans[name]
+            if args.quick:
+                rounds, steps = 2, max(1, steps // 3)
+            w = make()
+            print(f"## {w.desc}", flush=True)
+            results[name] = measure(w, variants_available(), args.rounds or rounds, steps, 2, workdir)
+            print("\n" + report(results[name]) + "\n", flush=True)
+    finally:
+        shutil.rmtree(workdir, ignore_errors=True)
+    print("## targets\n")
+    for line in verdicts(results):
+        print("- " + line)
+    print(f"\ntorch {torch.__version__}, {args.threads} training thread(s); load average (1 min) at start "
+          f"{load_start:.2f}, at end {os.getloadavg()[0]:.2f}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(results, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,164 @@
+"""One file to share an analysis: ``upd analyze RUN --html report.html``.
+
+A folder of PNGs and CSVs does not travel well in a chat or a ticket; one HTML file does. The report holds the
+figures (PNG embedded as base64 data URIs), the summary table, the run's metadata and, when asked, the verify
+result, with inline CSS and no script, so it opens from disk in any browser without a server. Every text that comes
+from the run file (parameter names, option values, the path) is escaped: a run file may come from anyone.
+"""
+from __future__ import annotations
+
+import base64
+import datetime
+import html
+import json
+import math
+
+import pandas as pd
+
+from .. import __version__
+from ..outputs import open_output
+from .analyze import Analysis
+from .summary import FLAGGED_STATUSES, SUMMARY_HEADERS, Thresholds
+
+FIGURE_CAPTIONS = {
+    "update_to_data.png": "update:data per weight over the steps (healthy near the guide), with the learning rate "
+                          "and the loss on the same step axis",
+    "grad_to_data.png": "grad:data per weight over the steps",
+    "grad_histograms.png": "gradient values per weight at the compared steps",
+    "weight_histograms.png": "weight values per weight at the compared steps",
+}
+
+_STYLE = """
+body { font-family: system-ui, -apple-system, "Segoe UI", sans-serif; margin: 2em auto; max-width: 1250px;
+       color: #222; padding: 0 1em; }
+h1 { font-size: 1.5em; } h2 { font-size: 1.2em; margin-top: 2em; border-bottom: 1px solid #ddd; }
+table { border-collapse: collapse; font-size: 0.85em; margin: 0.5em 0; }
+th, td { border: 1px solid #ddd; padding: 2px 8px; text-align: right; }
+th { background: #f4f4f4; } td.text, th.text { text-align: left; }
+td.HIGH { color: #c0392b; font-weight: bold; } td.LOW { color: #1f5fa8; font-weight: bold; }
+td.FAIL { color: #c0392b; font-weight: bold; }
+figure { margin: 1em 0; } figure img { max-width: 100%; border: 1px solid #eee; }
+figcaption { color: #555; font-size: 0.9em; } pre { background: #f7f7f7; padding: 0.6em; overflow-x: auto; }
+.verdict { font-size: 1.05em; } .flagged { color: #c0392b; }
+"""
+
+
+def _text(value) -> str:
+    """A cell's text, escaped: numbers to 2 decimals (3 significant digits when small), missing as '-'."""
+    if value is None or (isinstance(value, float) and math.isnan(value)) or value is pd.NA:
+        return "-"
+    if isinstance(value, float):
+        return f"{value:.2f}" if value == 0 or abs(value) >= 0.01 else f"{value:.3g}"
+    return html.escape(str(value))
+
+
+def html_table(frame: pd.DataFrame, headers: dict | None = None, class_column: str | None = None) -> str:
+    """A DataFrame as an escaped HTML table; text columns left-aligned; class_column's value (escaped) also
+    becomes the class of its cell, for colouring a status."""
+    headers = headers or {}
+    text_columns = {c for c in frame.columns if frame[c].dtype == object or str(frame[c].dtype) in ("str", "string")}
+    head = "".join(f'<th class="{"text" if c in text_columns else ""}">{html.escape(str(headers.get(c, c)))}</th>'
+                   for c in frame.columns)
+    rows = []
+    for record in frame.itertuples(index=False):
+        cells = []
+        for column, value in zip(frame.columns, record):
+            classes = ["text"] if column in text_columns else []
+            if column == class_column and str(value) in (*FLAGGED_STATUSES, "FAIL"):
+                classes.append(str(value))
+            cells.append(f'<td class="{" ".join(classes)}">{_text(value)}</td>')
+        rows.append("<tr>" + "".join(cells) + "</tr>")
+    return f"<table><thead><tr>{head}</tr></thead><tbody>{''.join(rows)}</tbody></table>"
+
+
+def verdict(analysis: Analysis, thresholds: Thresholds) -> str:
+    """The one line `upd analyze` ends with: which weights are flagged, or that none is (never about zero)."""
+    bounds = f"[{thresholds.low:g}, {thresholds.high:g}]"
+    flagged = analysis.flagged
+    if len(flagged):
+        return (f"{len(flagged)} weight(s) outside {bounds} (healthy near {thresholds.target:g}): "
+                + ", ".join(f"{r.param} {r.status} ({r.median_update_to_data:.2f})" for r in flagged.itertuples()))
+    if not analysis.summary["status"].isin(["ok", *FLAGGED_STATUSES]).any():
+        return "no weight (ndim >= 2) with a finite update:data ratio was recorded: nothing to judge"
+    return f"all weights within {bounds}"
+
+
+def _figures(images: dict) -> str:
+    parts = []
+    for name, png in images.items():
+        data = base64.b64encode(png).decode("ascii")
+        caption = FIGURE_CAPTIONS.get(name, name)
+        parts.append(f'<figure><img alt="{html.escape(name)}" src="data:image/png;base64,{data}">'
+                     f"<figcaption>{html.escape(caption)} ({html.escape(name)})</figcaption></figure>")
+    return "\n".join(parts)
+
+
+def _metadata(description: dict) -> str:
+    created = description.get("created_unix")
+    try:
+        created = datetime.datetime.fromtimestamp(float(created), datetime.timezone.utc).strftime(
+            "%Y-%m-%d %H:%M:%S UTC")
+    except (TypeError, ValueError, OverflowError, OSError):
+        created = "-"
+    facts = {"file": description.get("path"), "size": f"{(description.get('size_bytes') or 0) / 1e6:.1f} MB",
+             "created": created, "torch": description.get("torch_version"),
+             "recorded with torch-upd": description.get("upd_version"),
+             "format version": description.get("format_version")}
+    if description.get("live"):
+        facts["being written"] = "yes: the records committed when the report was made"
+    rows = "".join(f'<tr><th class="text">{html.escape(k)}</th><td class="text">{_text(v)}</td></tr>'
+                   for k, v in facts.items())
+    optimizers = pd.DataFrame([{
+        "optimizer": o.get("index"), "class": o.get("class"), "param groups": o.get("param_groups"),
+        "full records": o.get("records"),
+        "steps": "-" if o.get("first_step") is None else f"{o.get('first_step')}..{o.get('last_step')}",
+        "statistics steps": o.get("stats_steps"), "parameters": len(o.get("params", [])),
+        "defaults": json.dumps(o.get("defaults", {}), sort_keys=True, default=str)}
+        for o in description.get("optimizers", [])])
+    options = json.dumps(description.get("options", {}), indent=1, sort_keys=True, default=str)
+    return (f"<table>{rows}</table>" + (html_table(optimizers) if len(optimizers) else "")
+            + f"<p>Recording options:</p><pre>{html.escape(options)}</pre>")
+
+
+def report_html(analysis: Analysis, description: dict, *, thresholds: Thresholds = Thresholds(),
+                notes: list[str] = (), verify_report=None) -> str:
+    """The report as one HTML document (a string). description: Run.describe(); notes: extra lines for the
+    top (where the numbers come from, clipping); verify_report: a VerifyReport to include."""
+    title = f"torch-upd report: {description.get('path', '')}"
+    summary = analysis.summary.drop(columns=["optimizer"]) \
+        if len(analysis.summary) and analysis.summary["optimizer"].nunique() == 1 else analysis.summary
+    lines = [*analysis.notes, *notes]
+    flagged = len(analysis.flagged) > 0
+    parts = [
+        "<!DOCTYPE html>", '<html lang="en"><head><meta charset="utf-8">',
+        f"<title>{html.escape(title)}</title><style>{_STYLE}</style></head><body>",
+        f"<h1>{html.escape(title)}</h1>",
+        f'<p class="verdict{" flagged" if flagged else ""}">{html.escape(verdict(analysis, thresholds))}</p>',
+        "".join(f"<p>{html.escape(line)}</p>" for line in lines),
+    ]
+    if analysis.images:  # first: a big model's table is long, and the heatmap is what a reader looks at first
+        parts += ["<h2>Figures</h2>", _figures(analysis.images)]
+    parts += [
+        "<h2>Summary</h2>",
+        "<p>update:data = log10(std(update) / std(weight)) per step; healthy near "
+        f"{thresholds.target:g}. A weight (ndim &gt;= 2) is flagged when its median is above {thresholds.high:g} "
+        f"(HIGH) or below {thresholds.low:g} (LOW). \"last step\" is the latest recorded step's value.</p>",
+        html_table(summary, SUMMARY_HEADERS, class_column="status") if len(summary)
+        else "<p>(no recorded parameters)</p>",
+    ]
+    if verify_report is not None:
+        by_param = verify_report.by_param()
+        parts += ["<h2>Verify: the optimizer's math replayed</h2>",
+                  f"<pre>{html.escape(verify_report.summary())}</pre>"]
+        if len(by_param):
+            parts.append(html_table(by_param, class_column="result"))
+    parts += ["<h2>Run</h2>", _metadata(description),
+              f'<p style="color:#888">made by torch-upd {html.escape(__version__)}</p>', "</body></html>"]
+    return "\n".join(parts)
+
+
+def write_report(path, analysis: Analysis, description: dict, **kwargs) -> str:
+    """Write report_html(...) to `path` (UTF-8); returns the path."""
+    with open_output(path, text=True) as f:  # never through a link planted under that name
+        f.write(report_html(analysis, description, **kwargs))
+    return str(path)

@@ -1,0 +1,214 @@
+"""`upd record RUN [OPTIONS] -- COMMAND [ARGS]...`: record a training program without editing it (upd.launcher)."""
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import warnings
+
+import click
+
+from ..launcher import env
+from ..recorder.recorder import Recorder, RecorderWarning
+from ..runfile import schema
+from .common import fail
+
+# Where parse_args leaves the command found after `--` for the callback.
+_COMMAND = "upd.record.command"
+
+EXIT_CODES = """\b
+Exit codes:
+  the command's own   the command ran: its exit status, unchanged (a command
+                      ended by a signal ends the same way)
+  2                   bad option, no command, or RUN already holds a run
+                      (without --overwrite or --resume); nothing was started
+  126                 the command could not be executed
+  127                 the command was not found
+"""
+
+
+class _Never(click.ParamType):
+    """A positive number of steps, or 'never' (None)."""
+
+    name = "N|never"
+
+    def convert(self, value, param, ctx):
+        if value is None or value == "never":
+            return None
+        try:
+            number = int(value)
+        except (TypeError, ValueError):
+            self.fail(f"{value!r} is neither a positive number of steps nor 'never'", param, ctx)
+        if number < 1:
+            self.fail(f"{value!r} is not a positive number of steps", param, ctx)
+        return number
+
+
+class _Ranks(click.ParamType):
+    """'auto' (None), 'all', or one rank number."""
+
+    name = "auto|all|RANK"
+
+    def convert(self, value, param, ctx):
+        if value in (None, "auto"):
+            return None
+        if value == schema.ALL_RANKS:
+            return value
+        if isinstance(value, str) and value.isdigit():
+            return int(value)
+        self.fail(f"{value!r} is not 'auto', 'all' or a rank number", param, ctx)
+
+
+class _RecordCommand(click.Command):
+    """Everything after the first `--` is the command, untouched by option parsing (its own --help, --lr ...); a
+    bad option is one line and exit 2, never click's usage block."""
+
+    def parse_args(self, ctx, args):
+        args = list(args)
+        separated = "--" in args
+        if separated:
+            at = args.index("--")
+            args, ctx.meta[_COMMAND] = args[:at], args[at + 1:]
+        try:
+            return super().parse_args(ctx, args)
+        except click.UsageError as exc:
+            hint = "" if separated else " (the command goes after --: upd record RUN [OPTIONS] -- COMMAND [ARGS]...)"
+            fail(exc.format_message().rstrip(".") + hint)
+
+    def collect_usage_pieces(self, ctx):
+        return ["RUN", "[OPTIONS]", "--", "COMMAND", "[ARGS]..."]
+
+
+@click.command(cls=_RecordCommand, epilog=EXIT_CODES)
+@click.argument("run", type=click.Path(dir_okay=False, path_type=str))
+@click.option("--every", type=_Never(), default="1", show_default=True,
+              help="Full tensors every N-th optimizer step ('never': statistics or flight recorder only).")
+@click.option("--stats-every", type=_Never(), default="never", show_default=True,
+              help="Summary statistics every N-th step.")
+@click.option("--include", multiple=True, metavar="GLOB", help="Record only parameters whose name matches (repeatable).")
+@click.option("--exclude", multiple=True, metavar="GLOB", help="Skip parameters whose name matches (repeatable).")
+@click.option("--what", multiple=True, type=click.Choice(schema.WHAT_CHOICES),
+              help="What to store per parameter (repeatable; default all three).")
+@click.option("--dtype", type=click.Choice(schema.STORAGE_DTYPES), default="keep", show_default=True,
+              help="Storage dtype of the full tensors.")
+@click.option("--compression", type=click.Choice(["gzip", "lzf"]), default=None, help="HDF5 compression.")
+@click.option("--tensorboard", type=click.Path(file_okay=False, path_type=str), default=None, metavar="DIR",
+              help="Write live update:data and grad:data scalars to this TensorBoard log dir.")
+@click.option("--zero-counts", multiple=True, type=click.Choice(["param", "grad", "update", "state"]),
+              help="Whose fraction of zeros the statistics count (repeatable; default grad).")
+@click.option("--flight-recorder", type=click.IntRange(min=1), default=None, metavar="K",
+              help="Keep the last K steps in memory; write them on a NaN/Inf or a norm spike.")
+@click.option("--spike-factor", type=float, default=10.0, show_default=True,
+              help="Flight recorder: a norm this many times its recent median is a spike.")
+@click.option("--ranks", type=_Ranks(), default="auto", show_default=True,
+              help="Distributed jobs: which ranks record.")
+@click.option("--overwrite", is_flag=True, help="Replace RUN and all its files (parts, rank files) first.")
+@click.option("--resume", is_flag=True, help="Append to RUN (training restarted from a checkpoint).")
+@click.option("--strict", is_flag=True, help="A recorder error stops the program instead of the recording.")
+@click.pass_context
+def record(ctx, run, every, stats_every, include, exclude, what, dtype, compression, tensorboard, zero_counts,
+           flight_recorder, spike_factor, ranks, overwrite, resume, strict):
+    """Record every torch.optim optimizer that COMMAND creates into RUN, without editing COMMAND.
+
+    \b
+    EXAMPLES
+      upd record runs/lm.h5 --every 50 --stats-every 1 -- python main.py --lr 1e-3
+      upd record runs/lm.h5 --ranks all -- torchrun --nproc_per_node 4 train.py
+      upd analyze runs/lm.h5; upd verify runs/lm.h5
+
+    \b
+    DESCRIPTION
+    The options are upd.record's (README.md, "Recording"); everything after `--`
+    is the command, run as it is. `upd record` checks the options, then replaces
+    itself with the command (exec): the command's arguments, environment,
+    working directory, standard streams and exit status are its own, and signals
+    (Ctrl-C, SIGTERM) reach it directly. Each recording process closes its run
+    cleanly on SIGTERM, Ctrl-C and exit.
+
+    \b
+    WHAT IS RECORDED
+    At an optimizer's first step, that optimizer and every other one the process
+    created and has not stepped yet go into one run, named as
+    model.named_parameters() names them for the module that owns the parameters
+    (found among the live modules; no `module.` or `_orig_mod.` prefix).
+    Optimizers created later (a new phase, a replaced optimizer) and processes
+    that train on their own go into further parts: RUN.part2.h5 for RUN.h5, and
+    so on. A process that never steps an optimizer writes nothing.
+
+    \b
+    DISTRIBUTED JOBS
+    torchrun's and torch.multiprocessing's workers are reached too, and record
+    by upd.record's rules (docs/distributed.md): DDP and other replicated
+    training on rank 0 into RUN, FSDP2 and ZeRO (or --ranks all) on every rank
+    into RUN.rankR-of-W.h5. Every `upd` command given RUN reads the whole job.
+
+    \b
+    ENVIRONMENT
+    The command runs with UPD_RECORD (the options, as JSON) set and a bootstrap
+    directory first on PYTHONPATH. Its sitecustomize.py runs in every Python
+    process the command starts (and then runs the sitecustomize.py it hides);
+    once a process imports torch it hooks optimizer creation and torch's global
+    optimizer step pre-hook. Not reached: Python started with -I, -E or -S, and
+    programs that are not Python.
+
+    \b
+    FILES
+    RUN, RUN's parts and their rank files. An existing one is refused unless
+    --overwrite (which removes them all first) or --resume is given.
+
+    A recorder problem warns once in the program's stderr and training goes on, unless --strict. More:
+    docs/launcher.md.
+    """
+    command = ctx.meta.get(_COMMAND) or []
+    if not command:
+        fail("no command to record: put it after --, as in: upd record runs/x.h5 -- python train.py")
+    if overwrite and resume:
+        fail("pass --overwrite or --resume, not both")
+    options = {"every": every, "stats_every": stats_every, "include": list(include), "exclude": list(exclude),
+               "what": list(what or schema.WHAT_CHOICES), "dtype": dtype, "compression": compression,
+               "tensorboard": os.path.abspath(tensorboard) if tensorboard else None,
+               "zero_counts": list(zero_counts or ("grad",)), "flight_recorder": flight_recorder,
+               "spike_factor": spike_factor, "ranks": ranks, "resume": resume, "strict": strict}
+    check_options(options)
+    existing = env.run_files(run)
+    if existing and not (overwrite or resume):
+        fail(f"{run} already holds a run ({', '.join(os.path.basename(f) for f in existing)}); pass --overwrite to "
+             "replace it or --resume to continue it")
+    if overwrite:
+        for path in existing:
+            try:
+                os.remove(path)
+            except OSError as exc:
+                fail(f"cannot remove {path} for --overwrite: {exc.strerror or exc}")
+    run_command(command, env.child_environment(run, options))
+
+
+def check_options(options: dict) -> None:
+    """Refuse option values upd.record would refuse, before the command starts (one line, exit 2): the recorder's
+    own checks, made on a recorder of nothing (which records nothing, and warns that it cannot)."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RecorderWarning)
+        try:
+            Recorder(os.devnull, None, None, **{**options, "strict": False})
+        except ValueError as exc:
+            fail(str(exc))
+
+
+def run_command(command: list[str], environ: dict) -> None:
+    """Become `command` (exec): its exit status, streams and signals are the command's own, with no process of
+    ours in between. Where exec does not replace the process (Windows), run it and exit with its status."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    if os.name == "nt":
+        sys.exit(subprocess.call(command, env=environ))
+    # What exec keeps, the command should get as a shell would start it: Python ignores SIGPIPE and SIGXFSZ.
+    for name in ("SIGPIPE", "SIGXFSZ"):
+        if hasattr(signal, name):
+            signal.signal(getattr(signal, name), signal.SIG_DFL)
+    try:
+        os.execvpe(command[0], command, environ)
+    except FileNotFoundError:
+        fail(f"{command[0]}: command not found", 127)
+    except OSError as exc:
+        fail(f"{command[0]}: cannot execute: {exc.strerror or exc}", 126)

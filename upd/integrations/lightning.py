@@ -1,0 +1,138 @@
+"""Lightning's ``Trainer``: record a run without touching the training loop, which the Trainer owns.
+
+    trainer = lightning.pytorch.Trainer(max_steps=1000, callbacks=[UpdCallback(every=10)])
+    trainer.fit(model, data)                        # records into <trainer.log_dir>/upd-run.h5
+
+Lightning builds the optimizers in ``fit()`` (``configure_optimizers``), so the recorder attaches in
+``on_train_start`` to ``trainer.optimizers`` (the torch optimizers themselves) and closes in ``on_train_end``, or in
+``on_exception`` when training raises or is interrupted. The model passed on is ``trainer.model``: under DDP the
+``DistributedDataParallel`` wrapper, which tells ``upd.record``'s ``ranks=`` rules that the replicas are identical
+(rank 0 records alone), and whose ``module.`` prefix it strips from the names.
+
+Automatic optimization calls ``optimizer.step(closure)``: the forward pass, the backward pass and gradient clipping
+all run inside the step, in the closure, and the recorder takes the gradient (and counts the backward pass) when the
+closure returns, clipped. Manual optimization steps through ``LightningOptimizer.step()``, which reaches the same
+torch ``step(closure)`` with a closure that does nothing. Either way the training step's loss is stored in the run
+after each optimizer step, with ``Recorder.log``. lightning is imported here only, and only this module needs it.
+"""
+from __future__ import annotations
+
+import inspect
+import os
+import warnings
+
+import torch
+
+from ..recorder import Recorder, RecorderWarning, record
+
+INSTALL_HINT = 'pip install "torch-upd[lightning]"'
+DEFAULT_FILE = "upd-run.h5"  # inside trainer.log_dir (the logger's version folder, else default_root_dir)
+LOSS = "loss"  # the name the training step's loss has in what training_step returns, in self.log, and in the run
+
+try:
+    from lightning.pytorch import Callback as _CallbackBase
+    _IMPORT_ERROR: ImportError | None = None
+except ImportError as _exc:
+    _CallbackBase = object
+    _IMPORT_ERROR = _exc
+
+
+def batch_loss(outputs, logged: dict, automatic: bool, accumulate: int) -> torch.Tensor | None:
+    """The loss of one training batch, as ``training_step`` computed it: the loss it returned (`outputs`, as
+    Lightning hands it to ``on_train_batch_end``; under automatic optimization divided by ``accumulate_grad_batches``
+    = `accumulate`, the part of the step's gradient it makes: undone here), else the "loss" the module logged with
+    ``self.log`` (`logged`: ``trainer.callback_metrics``; manual optimization's training_step often returns
+    nothing). None when there is neither."""
+    returned = outputs.get(LOSS) if isinstance(outputs, dict) else outputs
+    if isinstance(returned, torch.Tensor) and returned.numel() == 1:
+        return returned.detach() * accumulate if automatic else returned.detach()
+    value = logged.get(LOSS)
+    if isinstance(value, torch.Tensor) and value.numel() == 1:
+        return value.detach()
+    return None
+
+
+class UpdCallback(_CallbackBase):
+    """A ``lightning.pytorch.Callback`` that records the Trainer's optimizers with ``upd.record``.
+
+    Args:
+        path: the run file; default ``<trainer.log_dir>/upd-run.h5`` (the logger's version folder, or
+            ``default_root_dir`` without a logger).
+        **record_options: passed to ``upd.record`` (``every``, ``stats_every``, ``include``, ``ranks``, ``strict``,
+            ...). Unknown names are refused here, when the callback is made.
+
+    The loss of each optimizer step (the mean of its batches' training-step losses, over gradient accumulation) is
+    stored in the run as the scalar ``loss``. A run that cannot be recorded (the file exists, no optimizer) gives
+    one ``upd.RecorderWarning`` and training goes on unrecorded, unless ``strict=True``. ``recorder`` is the
+    ``upd.Recorder`` of the training in progress (None before, after, or when recording could not start).
+    """
+
+    def __init__(self, path=None, **record_options):
+        if _IMPORT_ERROR is not None:
+            raise ImportError(f"UpdCallback needs the lightning package, which is not installed or not usable "
+                              f"({_IMPORT_ERROR}): {INSTALL_HINT}")
+        # A misspelt option would otherwise surface only as a warning once training starts.
+        inspect.signature(Recorder).bind("path", None, None, **record_options)
+        self.path = None if path is None else os.fspath(path)
+        self.record_options = record_options
+        self.recorder: Recorder | None = None
+        self._losses: list[torch.Tensor] = []  # the batches' losses since the last optimizer step
+        self._global_step = 0  # trainer.global_step when the last batch ended
+        self._log_losses = True  # False once Recorder.log refused a loss (warned once)
+
+    def run_path(self, trainer) -> str:
+        """Where this callback records for this Trainer (call it on every process: ``log_dir`` broadcasts)."""
+        return self.path if self.path is not None else os.path.join(trainer.log_dir, DEFAULT_FILE)
+
+    def on_train_start(self, trainer, pl_module):
+        self._close()  # an earlier fit() that raised past on_exception
+        path = self.run_path(trainer)
+        self._losses, self._global_step, self._log_losses = [], trainer.global_step, True
+        try:
+            if not trainer.optimizers:
+                raise TypeError("the LightningModule's configure_optimizers() returned no optimizer")
+            self.recorder = record(path, trainer.model, list(trainer.optimizers), **self.record_options)
+        except Exception as exc:  # training goes on without recording, as upd.record promises during training
+            if self.record_options.get("strict", False):
+                raise
+            warnings.warn(f"torch-upd: cannot record the Trainer's optimizers to {path} ({type(exc).__name__}: "
+                          f"{exc}); training continues without recording. Pass strict=True to raise instead.",
+                          RecorderWarning, stacklevel=2)
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        rec = self.recorder
+        if rec is None or not rec.active or not self._log_losses:
+            return
+        loss = batch_loss(outputs, trainer.callback_metrics, pl_module.automatic_optimization,
+                          trainer.accumulate_grad_batches)
+        if loss is not None:
+            self._losses.append(loss)
+        if trainer.global_step == self._global_step:
+            return  # accumulating: no optimizer step in this batch
+        self._global_step = trainer.global_step
+        losses, self._losses = self._losses, []
+        if not losses:
+            return
+        try:
+            # To the step just completed (it replaces the loss the recorder took from automatic optimization's
+            # closure: the last batch's alone, divided by accumulate_grad_batches). A tensor, not a float:
+            # Recorder.log reads it with the step's one host copy, no device sync here.
+            rec.log(after_step=True, **{LOSS: torch.stack([loss.reshape(()) for loss in losses]).float().mean()})
+        except Exception as exc:  # a loss Recorder.log refuses: the steps go on being recorded, without it
+            if self.record_options.get("strict", False):
+                raise
+            self._log_losses = False
+            warnings.warn(f"torch-upd: cannot store the training step's loss in {rec.path} ({type(exc).__name__}: "
+                          f"{exc}); the steps go on being recorded without it.", RecorderWarning, stacklevel=2)
+
+    def on_train_end(self, trainer, pl_module):
+        self._close()
+
+    def on_exception(self, trainer, pl_module, exception):
+        self._close()  # the steps recorded so far stay readable, and the file is closed cleanly
+
+    def _close(self) -> None:
+        rec, self.recorder = self.recorder, None
+        self._losses = []
+        if rec is not None:
+            rec.close()
