@@ -7,6 +7,7 @@ This module holds the hooks and the recorder's lifecycle; the pieces it drives l
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 import platform
 import sys
@@ -358,7 +359,7 @@ class Recorder:
         def count(_param, key=key):
             self._backward_counts[key] += 1
             if not self._norm_queued and self.active and self.rank_setup is None:
-                self._norm_queued = queue_after_backward(self._backward_ended)
+                self._norm_queued = queue_after_backward(self._backward_ended_eagerly)
 
         self._handles.append(param.register_post_accumulate_grad_hook(eager(count)))
 
@@ -369,7 +370,12 @@ class Recorder:
             if key in self._backward_counts:
                 self._backward_counts[key] += count
 
-    @eager
+    @functools.cached_property
+    def _backward_ended_eagerly(self):
+        # Made on first use, not with the class: torch.compiler.disable imports dynamo (about 1.7 s), which a
+        # process that only reads runs (`upd info`) should not pay.
+        return eager(self._backward_ended)
+
     def _backward_ended(self) -> None:
         """The end of a backward pass (an autograd callback, see grad_norms): the total gradient norm of each
         optimizer whose next step is recorded, before anything between backward and step can change it."""
