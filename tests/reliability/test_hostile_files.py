@@ -536,22 +536,6 @@ STATS_MUTATIONS = [
 ]
 
 
-@pytest.fixture(scope="module")
-def stats_run(tmp_path_factory):
-    """A statistics-only run (every=None, stats_every=1): the table is the only data."""
-    import torch
-
-    from tests.harness.training import MLP, train_steps
-
-    path = str(tmp_path_factory.mktemp("stats") / "stats.h5")
-    torch.manual_seed(0)
-    model = MLP()
-    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
-    with upd.record(path, model, opt, every=None, stats_every=1):
-        train_steps(model, opt, steps=6)
-    return path
-
-
 @pytest.mark.parametrize("what, mutation, allowed", STATS_MUTATIONS, ids=[m[0] for m in STATS_MUTATIONS])
 def test_statistics_table_mutations(tmp_path, stats_run, what, mutation, allowed):
     path = str(tmp_path / "stats run.h5")

@@ -130,24 +130,11 @@ def test_tables_declaring_more_than_they_store_are_refused(tmp_path, what, mutat
     assert _peak_rss_mib() - before < 512
 
 
-@pytest.fixture(scope="module")
-def stats_only_run(tmp_path_factory):
-    from tests.harness.training import MLP, train_steps
-
-    path = str(tmp_path_factory.mktemp("stats") / "stats.h5")
-    torch.manual_seed(0)
-    model = MLP()
-    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
-    with upd.record(path, model, opt, every=None, stats_every=1):
-        train_steps(model, opt, steps=6)
-    return path
-
-
-def test_statistics_table_declaring_200000_parameter_slots_is_refused(tmp_path, stats_only_run):
+def test_statistics_table_declaring_200000_parameter_slots_is_refused(tmp_path, stats_run):
     """200,000 named slots in a 2 MB statistics-only run, their chunks never written: `analyze` took 235 s and
     2.5 GB building a table of NaNs. The slots store nothing: refused when the file is opened."""
     path = str(tmp_path / "slots.h5")
-    shutil.copy(stats_only_run, path)
+    shutil.copy(stats_run, path)
     values = stat(schema.VALUES)
     with h5py.File(path, "r+") as f:
         st = f[schema.STATS_TABLE.path(k=0)]
