@@ -163,3 +163,17 @@ def test_verify_exit_4_when_a_replay_rule_fails(tmp_path, monkeypatch):
 
 def test_main_help_documents_exit_code_4():
     assert "4  verify: a replay rule failed" in run_cli("--help")[1]
+
+
+@pytest.mark.parametrize("args, words", [
+    (["analyze", "--bogus", "x.h5"], "No such option '--bogus'"),
+    (["verify"], "Missing argument 'RUN'"),
+    (["nosuch"], "No such command 'nosuch'"),
+    (["analyze", "--high", "abc", "x.h5"], "'abc' is not a valid float"),
+])
+def test_a_usage_error_is_one_line_with_where_to_look(args, words):
+    result = CliRunner().invoke(main, args)
+    assert result.exit_code == 2
+    lines = result.output.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("upd: error: ") and words in lines[0], result.output
+    assert "--help'" in lines[0] and "Usage:" not in result.output

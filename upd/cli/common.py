@@ -30,6 +30,24 @@ def fail(message: str, code: int = EXIT_UNUSABLE) -> None:
 
 
 class ErrorLineGroup(click.Group):
+    def main(self, *args, standalone_mode: bool = True, **kwargs):
+        # click's own usage errors are a usage block, a hint and the error (four lines): one line here, like every
+        # other error, with where to look.
+        if not standalone_mode:
+            return super().main(*args, standalone_mode=False, **kwargs)
+        try:
+            result = super().main(*args, standalone_mode=False, **kwargs)
+        except click.UsageError as exc:
+            where = f" (see '{exc.ctx.command_path} --help')" if exc.ctx is not None else ""
+            fail(exc.format_message() + where, exc.exit_code)
+        except click.ClickException as exc:
+            exc.show()
+            sys.exit(exc.exit_code)
+        except click.Abort:
+            click.echo("Aborted!", err=True)
+            sys.exit(1)
+        sys.exit(result if isinstance(result, int) else 0)
+
     def invoke(self, ctx):
         # One clear line and exit 2 for a bad file, never a traceback; UPD_DEBUG=1 shows tracebacks of real bugs.
         try:
