@@ -208,10 +208,8 @@ class Workload:
         variant.after(self)
 
 
-def gpt_workload() -> Workload:
-    vocab, ctx, batch = 2048, 64, 16
-    torch.manual_seed(0)
-    model = GPT(vocab=vocab, ctx=ctx)
+def token_batches(vocab: int, ctx: int, batch: int):
+    """Four fixed batches of random tokens and the next-token loss a GPT workload trains on."""
     gen = torch.Generator().manual_seed(1)
     batches = [(torch.randint(0, vocab, (batch, ctx), generator=gen),
                 torch.randint(0, vocab, (batch, ctx), generator=gen)) for _ in range(4)]
@@ -220,6 +218,14 @@ def gpt_workload() -> Workload:
         x, y = b
         return F.cross_entropy(m(x).view(-1, vocab), y.view(-1))
 
+    return batches, loss_fn
+
+
+def gpt_workload() -> Workload:
+    vocab, ctx, batch = 2048, 64, 16
+    torch.manual_seed(0)
+    model = GPT(vocab=vocab, ctx=ctx)
+    batches, loss_fn = token_batches(vocab, ctx, batch)
     n = sum(p.numel() for p in model.parameters())
     return Workload("transformer", model, batches, loss_fn,
                     f"GPT, 6 blocks, d_model 256, 8 heads, vocab {vocab}, untied head: {n / 1e6:.2f}M params in "

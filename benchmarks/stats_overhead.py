@@ -30,10 +30,10 @@ import time
 import warnings
 
 import torch
-import torch.nn.functional as F
 
 import upd
-from benchmarks.overhead import GPT, Workload, gpt_workload, median, mlp_workload, quartiles, table
+from benchmarks.overhead import (GPT, Workload, gpt_workload, median, mlp_workload, quartiles, table,
+                                 token_batches)
 
 
 def tiny_workload() -> Workload:
@@ -41,14 +41,7 @@ def tiny_workload() -> Workload:
     vocab, ctx, batch = 64, 16, 4
     torch.manual_seed(0)
     model = GPT(vocab=vocab, ctx=ctx, d=32, layers=2, heads=4)
-    gen = torch.Generator().manual_seed(1)
-    batches = [(torch.randint(0, vocab, (batch, ctx), generator=gen),
-                torch.randint(0, vocab, (batch, ctx), generator=gen)) for _ in range(4)]
-
-    def loss_fn(m, b):
-        x, y = b
-        return F.cross_entropy(m(x).view(-1, vocab), y.view(-1))
-
+    batches, loss_fn = token_batches(vocab, ctx, batch)
     params = list(model.parameters())
     n = sum(p.numel() for p in params)
     return Workload("tiny", model, batches, loss_fn,
