@@ -174,7 +174,8 @@ def test_snapshot_only_on_recording_steps(tmp_path, monkeypatch):
     rec.close()
     shapes = sorted(tuple(p.shape) for p in model.parameters())
     assert per_step[0] == [("clone", s) for s in shapes]  # the parameters, before the step
-    assert per_step[3] == sorted([("copy", s) for s in shapes] * 2)  # the parameters and gradients, into buffers
+    # the parameters and gradients before the step, the parameters after it: into buffers
+    assert per_step[3] == sorted([("copy", s) for s in shapes] * 3)
     assert per_step[1:3] == per_step[4:] == [[], []]
 
 

@@ -262,20 +262,26 @@ class SnapshotPool:
     """The buffers one optimizer's lean statistics reuse from step to step, so that no step allocates (a fresh clone
     per tensor and step cost page faults and allocator work as well as the copy):
 
-    * small tensors (up to SMALL_LIMIT elements) live in float64 buckets, one per power-of-two width: a bucket is a
-      (2, count, width) buffer whose rows hold a parameter (row 0) and its gradient (row 1), zero-padded. A sum and
-      a norm along the last axis reduce a whole bucket in two vectorised ops, whatever its count, and float64 keeps
-      the one-pass std exact where |mean| >> std (norm-layer scales near 1 are small tensors);
+    * small tensors (up to SMALL_LIMIT elements) live in float64 buckets, one per power-of-four width: a bucket is a
+      (3, count, width) buffer whose rows hold a parameter (row 0), its gradient (row 1) and, after the step, its
+      new value (row 2), zero-padded. A sum and a norm along the last axis reduce a whole bucket in two vectorised
+      ops, whatever its count, and float64 keeps the one-pass std exact where |mean| >> std (norm-layer scales
+      near 1 are small tensors). The new values are copied in and subtracted bucket by bucket: a subtraction of
+      each float32 tensor from its float64 view would cost three times as much (a mixed-dtype foreach op). Each
+      reduction writes its results straight into the step's host buffer (``small_host``), so no step concatenates
+      them. Widths grow by 4x: fewer buckets (ops) for at most 4x padding of tensors that are small anyway;
     * each large parameter gets a snapshot buffer of its own dtype.
 
     Rebuilt when the parameters change (add_param_group, a swapped tensor, a new shape). Holds one copy of the
-    recorded parameters for the recorder's lifetime."""
+    recorded parameters for the recorder's lifetime. Everything a step needs that depends only on the layout (the
+    views, index arrays, element counts) is made here, once, so that a step runs no per-parameter Python beyond
+    handing the tensors to a few batched ops."""
 
     def __init__(self):
         self.key = None
 
     def layout(self, live: list[torch.Tensor], params: list[torch.Tensor]) -> "SnapshotPool":
-        key = tuple((id(q), tuple(p.shape), p.dtype) for q, p in zip(live, params))
+        key = [(id(q), p.shape, p.dtype) for q, p in zip(live, params)]
         if key == self.key:
             return self
         device = params[0].device
@@ -283,129 +289,160 @@ class SnapshotPool:
         widths: dict[int, list[int]] = {}
         for i, n in enumerate(sizes):
             if n <= SMALL_LIMIT:
-                widths.setdefault(max(32, 1 << max(0, n - 1).bit_length()), []).append(i)
-        self.buckets = []
-        self.small, self.param_views, self.grad_views = [], [], []
+                width = 64
+                while width < n:
+                    width *= 4
+                widths.setdefault(width, []).append(i)
+        k = sum(len(members) for members in widths.values())
+        # (sums, norms) x (params, gradients) before the step, then the update's (sums, norms): one host copy
+        self.small_host = torch.zeros(6 * k, dtype=torch.float64, device=device)
+        pre_sums, pre_norms = self.small_host[:4 * k].view(2, 2, k)
+        post_sums, post_norms = self.small_host[4 * k:].view(2, k)
+        self.grad_norms = pre_norms[1]
+        self.buckets = []  # per bucket: (its params and gradients, before - after, after, and the outputs' views)
+        self.small, self.param_views, self.grad_views, self.after_views = [], [], [], []
         for width, members in sorted(widths.items()):
-            bucket = torch.zeros((2, len(members), width), dtype=torch.float64, device=device)
-            self.buckets.append(bucket)
+            bucket = torch.zeros((3, len(members), width), dtype=torch.float64, device=device)
+            at = slice(len(self.small), len(self.small) + len(members))
+            self.buckets.append((bucket[:2], bucket[0], bucket[2], pre_sums[:, at], pre_norms[:, at], post_sums[at],
+                                 post_norms[at]))
             for row, i in enumerate(members):
                 self.small.append(i)
-                self.param_views.append(bucket[0, row, :sizes[i]].view(params[i].shape))
-                self.grad_views.append(bucket[1, row, :sizes[i]].view(params[i].shape))
-        self.large = [i for i, n in enumerate(sizes) if n > SMALL_LIMIT]
+                for views, kind in ((self.param_views, 0), (self.grad_views, 1), (self.after_views, 2)):
+                    views.append(bucket[kind, row, :sizes[i]].view(params[i].shape))
+        # Last parameter first: the optimizer steps the first parameter first, so before the step the last tensors
+        # this pool read are the first the optimizer reads; after it, the first read here the last it wrote.
+        self.large = [i for i, n in reversed(list(enumerate(sizes))) if n > SMALL_LIMIT]
         self.buffers = [torch.empty(params[i].shape, dtype=params[i].dtype, device=device) for i in self.large]
-        self.numel = np.asarray(sizes, dtype=np.float64)
+        self.numel = n = np.asarray(sizes, dtype=np.float64)
+        with np.errstate(divide="ignore"):
+            self.inverse_n = np.where(n > 0, 1 / n, np.nan)  # an empty tensor's statistics are NaN
+            self.inverse_n_1 = np.where(n > 1, 1 / (n - 1), np.nan)  # the unbiased std of one number too
+        self.empty = n == 0
+        self.any_empty = bool(self.empty.any())
+        self.order = self._host_order()
         self.key = key
         return self
 
+    def _host_order(self) -> np.ndarray:
+        """Where each number of a step's host copy (laid out as LeanStep launches its reductions) goes in a
+        (sum or norm, LEAN_KINDS, parameter) table: one gather on the host puts all of them in place."""
+        count = len(self.numel)
+
+        def at(stat, kind, i):
+            return (stat * len(LEAN_KINDS) + kind) * count + i
+        small, large = self.small, self.large
+        where = [at(stat, kind, i) for stat in (0, 1) for kind in (0, 1) for i in small]  # small_host
+        where += [at(stat, 2, i) for stat in (0, 1) for i in small]
+        where += [at(stat, kind, i) for i in large for kind in (0, 1) for stat in (0, 1)]  # large, before the step
+        where += [at(stat, 2, i) for i in large for stat in (0, 1)]  # large, after it
+        order = np.empty(len(where), dtype=np.intp)
+        order[np.asarray(where, dtype=np.intp)] = np.arange(len(where))
+        return order
+
+
+# The lean set's columns, in the order LeanStep.read fills each parameter's row.
+LEAN_COLUMNS = tuple(f"{kind}_{stat}" for kind in LEAN_KINDS for stat in LEAN_STATS) + (UPDATE_TO_DATA, GRAD_TO_DATA)
+
 
 class LeanStep:
-    """The lean statistics of one step: ``LeanStep(pool, names, live)`` before the step launches the parameters' and
-    gradients' sums and copies the parameters into the pool; ``read()`` after it forms the updates in place, reduces
-    them and brings everything to the host in one copy. Same result shape as ``StepStatistics.read``."""
+    """The lean statistics of one step: ``LeanStep(pool, names, live, params, grads)`` before the step launches the
+    parameters' and gradients' sums and copies the parameters into the pool; ``read()`` after it forms the updates
+    in place, reduces them and brings everything to the host in one copy. Same result shape as
+    ``StepStatistics.read``. ``grad_norm`` is the total norm of `grads`, from the per-gradient norms (no pass of its
+    own), launched with them. `params` are the tensors to reduce: `live` itself, or its local parts (DTensor)."""
 
     def __init__(self, pool: SnapshotPool, names: list[str], live: list[torch.Tensor], params: list[torch.Tensor],
                  grads: list[torch.Tensor]):
         self.names = names
         self.live = live  # the parameters themselves: their values after the step give the update
+        self.params = params
         self.grads = grads
         self.pool = pool.layout(live, params)
         small, large = self.pool.small, self.pool.large
-        self.parts: list[torch.Tensor] = []  # what read() copies to the host, in a fixed order
-        if small:
-            # A few ops for all small tensors: two copies into the float64 buckets, a sum and a norm per bucket.
-            torch._foreach_copy_(self.pool.param_views, [params[i] for i in small])
-            torch._foreach_copy_(self.pool.grad_views, [grads[i] for i in small])
-            buckets = self.pool.buckets
-            self.parts.append(torch.cat([b.sum(2) for b in buckets], dim=1).reshape(-1))  # (2, k)
-            self.parts.append(torch.cat([torch.linalg.vector_norm(b, dim=2) for b in buckets], dim=1).reshape(-1))
-        reductions = []
-        for buffer, i in zip(self.pool.buffers, large):
-            p, g = params[i], grads[i]
-            buffer.copy_(p)
-            # Each tensor's passes run back to back, while it is still in the cache.
-            reductions += [p.sum(dtype=torch.float32), torch.linalg.vector_norm(p, dtype=torch.float32),
-                           g.sum(dtype=torch.float32), torch.linalg.vector_norm(g, dtype=torch.float32)]
-        if reductions:
-            self.parts.append(torch.stack(reductions).double())
+        self.large_before = None  # the large tensors' reductions before the step
+        grad_norms = []
+        with torch.no_grad():  # the hooks run outside the optimizer's no_grad: no autograd bookkeeping here
+            if small:
+                # A few ops for all small tensors: two copies into the float64 buckets, a sum and a norm per bucket.
+                torch._foreach_copy_(self.pool.param_views, [params[i] for i in small])
+                torch._foreach_copy_(self.pool.grad_views, [grads[i] for i in small])
+                for pre, _, _, sums, norms, _, _ in self.pool.buckets:
+                    torch.sum(pre, 2, out=sums)
+                    torch.linalg.vector_norm(pre, dim=2, out=norms)
+                grad_norms.append(torch.linalg.vector_norm(self.pool.grad_norms))
+            reductions = []
+            for buffer, i in zip(self.pool.buffers, large):
+                p, g = params[i], grads[i]
+                buffer.copy_(p)
+                # Each tensor's passes run back to back, while it is still in the cache.
+                reductions += [p.sum(dtype=torch.float32), torch.linalg.vector_norm(p, dtype=torch.float32),
+                               g.sum(dtype=torch.float32), torch.linalg.vector_norm(g, dtype=torch.float32)]
+            if reductions:
+                self.large_before = torch.stack(reductions)
+                grad_norms.append(torch.linalg.vector_norm(self.large_before[3::4], dtype=torch.float64))
+            # float64: read with the step's logged scalars, which are read as float64
+            self.grad_norm = grad_norms[0] if len(grad_norms) == 1 else torch.linalg.vector_norm(
+                torch.stack(grad_norms))
 
     def _after(self) -> list[torch.Tensor]:
+        if self.params is self.live:
+            return self.live
         local_part = _local_part()
         return [local_part(q.detach()) for q in self.live]
 
     def read(self) -> dict[str, dict[str, float]]:
         pool, small, large = self.pool, self.pool.small, self.pool.large
-        after = self._after()
-        parts = list(self.parts)
-        if small:
-            # The snapshot becomes before - after = -update, in place: the sign is undone on the host.
-            torch._foreach_sub_(pool.param_views, [after[i] for i in small])
-            parts.append(torch.cat([b[0].sum(1) for b in pool.buckets]))
-            parts.append(torch.cat([torch.linalg.vector_norm(b[0], dim=1) for b in pool.buckets]))
-        reductions = []
-        for buffer, i in zip(pool.buffers, large):
-            buffer.sub_(after[i])
-            reductions += [buffer.sum(dtype=torch.float32), torch.linalg.vector_norm(buffer, dtype=torch.float32)]
-        if reductions:
-            parts.append(torch.stack(reductions).double())
-        host = torch.cat(parts).cpu().numpy() if parts else np.zeros(0)  # the one synchronisation of the step
-        columns = self._columns(*self._unpack(host))
-        out = {name: {} for name in self.names}
-        rows = list(out.values())
-        for column, values in columns.items():
-            for row, value in zip(rows, values.tolist()):
-                row[column] = value
-        return out
+        with torch.no_grad():
+            after = self._after()
+            parts = []
+            if small:
+                # The snapshot becomes before - after = -update, in place: the sign is undone on the host.
+                torch._foreach_copy_(pool.after_views, [after[i] for i in small])
+                for _, before, new, _, _, sums, norms in pool.buckets:
+                    before.sub_(new)
+                    torch.sum(before, 1, out=sums)
+                    torch.linalg.vector_norm(before, dim=1, out=norms)
+                parts.append(pool.small_host)
+            reductions = []
+            for buffer, i in zip(pool.buffers, large):
+                buffer.sub_(after[i])
+                reductions += [buffer.sum(dtype=torch.float32), torch.linalg.vector_norm(buffer, dtype=torch.float32)]
+            if reductions:
+                parts += [self.large_before, torch.stack(reductions)]
+            # the one synchronisation of the step
+            host = (torch.cat([p.double() for p in parts]) if len(parts) > 1 else parts[0]).cpu().numpy() \
+                if parts else np.zeros(0)
+        table = self._table(host)
+        return {name: dict(zip(LEAN_COLUMNS, row)) for name, row in zip(self.names, table.tolist())}
 
-    def _unpack(self, host: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """(3, P) sums and (3, P) sums of squares of each parameter, its gradient and its update (LEAN_KINDS), from
-        the host copy (laid out as LeanStep.__init__ and read() launched them)."""
-        small, large = self.pool.small, self.pool.large
-        sums = np.empty((3, len(self.names)))
-        squares = np.empty((3, len(self.names)))
-        k, m = len(small), len(large)
-        at = 0
-
-        def take(size):
-            nonlocal at
-            at += size
-            return host[at - size:at]
-        if small:
-            sums[:2, small] = take(2 * k).reshape(2, k)  # of params, of gradients
-            squares[:2, small] = take(2 * k).reshape(2, k) ** 2
-        if large:
-            pre = take(4 * m).reshape(m, 4).T  # per tensor: param sum, norm, grad sum, norm
-            sums[:2, large], squares[:2, large] = pre[0::2], pre[1::2] ** 2
-        if small:
-            post = take(2 * k).reshape(2, k)  # of -update: sums, norms
-            sums[2, small], squares[2, small] = -post[0], post[1] ** 2
-        if large:
-            post = take(2 * m).reshape(m, 2).T
-            sums[2, large], squares[2, large] = -post[0], post[1] ** 2
-        return sums, squares
-
-    def _columns(self, sums: np.ndarray, squares: np.ndarray) -> dict[str, np.ndarray]:
-        n = self.pool.numel
+    def _table(self, host: np.ndarray) -> np.ndarray:
+        """(P, len(LEAN_COLUMNS)) rows: each parameter's lean statistics and its two ratios, from the host copy."""
+        pool = self.pool
+        count = len(pool.numel)
+        sums, norms = host[pool.order].reshape(2, len(LEAN_KINDS), count)  # (LEAN_KINDS, P) each
+        sums[2] *= -1  # the update's: reduced from before - after
         with np.errstate(invalid="ignore", divide="ignore", over="ignore"):
-            mean = sums / n
-            std = np.sqrt(np.maximum(squares - sums * mean, 0.0) / (n - 1))
-            std[:, n < 2] = np.nan
-            norm = np.sqrt(squares)
+            squares = norms * norms
+            mean = sums * pool.inverse_n
+            std = np.sqrt(np.maximum(squares - sums * mean, 0.0) * pool.inverse_n_1)
+            table = np.zeros((len(LEAN_COLUMNS), count))
+            stats = table[:len(LEAN_KINDS) * len(LEAN_STATS)].reshape(len(LEAN_KINDS), len(LEAN_STATS), count)
+            stats[:, LEAN_STATS.index("mean")] = mean
+            stats[:, LEAN_STATS.index("std")] = std
+            stats[:, LEAN_STATS.index("norm")] = norms
             # NaN propagates into the sum and Inf into the sum of squares: both finite means no NaN/Inf anywhere
             # (but for a float32 overflow of the norm, which the exact count then clears).
-            flagged = ~(np.isfinite(sums) & np.isfinite(squares))
-            nonfinite = np.zeros_like(sums)
-            table = np.stack([mean, std, norm, nonfinite])  # (LEAN_STATS, LEAN_KINDS, P)
-            table[:, :, n == 0] = np.nan
-            flagged[:, n == 0] = False
+            flagged = ~np.isfinite(sums + squares)
+            if pool.any_empty:
+                stats[:, :, pool.empty] = np.nan
+                flagged[:, pool.empty] = False
             if flagged.any():
-                self._count_nonfinite(flagged, table[LEAN_STATS.index("nonfinite")])
-            columns = {f"{kind}_{stat}": table[s, k] for k, kind in enumerate(LEAN_KINDS)
-                       for s, stat in enumerate(LEAN_STATS)}
-            columns[UPDATE_TO_DATA] = update_to_data(columns["update_std"], columns["param_std"])
-            columns[GRAD_TO_DATA] = grad_to_data(columns["grad_std"], columns["param_std"])
-        return columns
+                self._count_nonfinite(flagged, stats[:, LEAN_STATS.index("nonfinite")])
+            kind = LEAN_KINDS.index
+            table[LEAN_COLUMNS.index(UPDATE_TO_DATA)] = update_to_data(std[kind("update")], std[kind("param")])
+            table[LEAN_COLUMNS.index(GRAD_TO_DATA)] = grad_to_data(std[kind("grad")], std[kind("param")])
+        return table.T
 
     def _count_nonfinite(self, flagged: np.ndarray, counts: np.ndarray) -> None:
         """Exact NaN/Inf counts of the flagged tensors ((LEAN_KINDS, P) masks, into `counts`), the rare path: one more

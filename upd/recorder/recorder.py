@@ -25,7 +25,7 @@ from ..runfile.record import ParamSnapshot, Record, ShardLayout, param_meta
 from . import distributed, job_scalars
 from .device_stats import LeanStep, SnapshotPool, StepStatistics, element_count, lean_applies
 from .flight_recorder import FlightRecorder
-from .grad_norms import queue_after_backward, total_norm
+from .grad_norms import TotalNorm, queue_after_backward, total_norm
 from .logged_scalars import HOST_BATCH_STEPS, kept, name_problem, scalar_problem, to_host
 from .job_scalars import JobScalars, Slot
 from .naming import ParamNames, is_selected, model_names, named_parameters, patterns, uncompiled
@@ -63,6 +63,20 @@ class _StepInProgress:
     selected: bool  # chosen by every= (with a flight recorder, full snapshots are kept for other steps too)
     closure: bool  # step(closure): the gradient exists only inside the step
     stats: StepStatistics | LeanStep | None  # a statistics step: some launched before the step, the rest after it
+    stats_meta: dict | None = None  # the statistics' parameter metadata, when known before the step (_LeanPlan)
+
+
+@dataclasses.dataclass
+class _LeanPlan:
+    """What a lean statistics step needs that changes only with the optimizer's parameters: made once per parameter
+    layout, so that such a step walks no parameter in Python (naming, selecting, metadata) to start."""
+
+    layout: tuple  # the Recorder._layouts entry it was made for (compared by identity)
+    tracked: list[_TrackedParam]  # the selected parameters, in the optimizer's order (never modified by a step)
+    live: list[torch.Tensor]
+    names: list[str]
+    all_selected: bool  # every parameter of the optimizer is selected: the lean gradient norms are all of them
+    stats_meta: dict  # name -> param_meta
 
 
 class Recorder:
@@ -120,6 +134,8 @@ class Recorder:
         self._handles = []
         self._pending: dict[int, _StepInProgress] = {}
         self._stats_pools: dict[int, SnapshotPool] = {}  # optimizer -> the lean statistics' snapshot buffers
+        self._lean_plans: dict[int, _LeanPlan] = {}  # optimizer -> its lean steps' plan for the current layout
+        self._total_norms: dict[int, TotalNorm] = {}  # optimizer -> the buffer its backward-pass norm reuses
         self._records = 0  # records written at the cadences (the flight recorder counts its dumps)
         self._full_records = 0  # of those, full-tensor records
         self._stats_steps = 0  # steps whose statistics were written
@@ -386,7 +402,7 @@ class Recorder:
     def _measure_backward_norms(self) -> None:
         for i, opt in enumerate(self.optimizers):
             if any(self._cadence(self._steps_done[i])):
-                norm = total_norm(_gradients(opt))
+                norm = self._total_norms.setdefault(i, TotalNorm())(_gradients(opt))
                 if norm is not None:
                     self._backward_norms[i] = norm
 
@@ -534,6 +550,8 @@ class Recorder:
             self.full_stats_every is not None and step % self.full_stats_every == 0)
         if not (full or with_stats):
             return
+        if lean and self._start_lean_step(opt_index, optimizer, step):
+            return
         if not closure_step:  # a closure's gradient exists only inside step(): measured at its first evaluation
             self._measure_step_norms(opt_index, optimizer)
         params = []
@@ -577,6 +595,61 @@ class Recorder:
                         closure_losses=[] if closure_step else None, full=full)
         self._pending[opt_index] = _StepInProgress(record=record, params=params, selected=selected,
                                                    closure=closure_step, stats=stats)
+
+    def _start_lean_step(self, opt_index: int, optimizer: torch.optim.Optimizer, step: int) -> bool:
+        """A lean statistics step of a single-process run, started from the layout's _LeanPlan: the statistics
+        launched before the step and the total gradient norm as the step sees it taken from their per-gradient norms
+        (no pass of its own). False, having done nothing, where the general path must take the step: DTensors,
+        tensors the lean set does not take (lean_applies), no parameter with a gradient."""
+        if self.rank_setup is not None:
+            return False
+        layout = self._layouts[opt_index]
+        plan = self._lean_plans.get(opt_index)
+        if plan is None or plan.layout is not layout:
+            plan = self._lean_plan(optimizer, self._names[opt_index], layout)
+            if plan is None:
+                return False
+            self._lean_plans[opt_index] = plan
+        tracked, live, names, stats_meta = plan.tracked, plan.live, plan.names, plan.stats_meta
+        grads = [p.grad for p in live]
+        if any(g is None for g in grads):  # skipped by the optimizer (a frozen parameter): not recorded either
+            tracked = [t for t, g in zip(tracked, grads) if g is not None]
+            live, names = [t.live for t in tracked], [t.snapshot.name for t in tracked]
+            stats_meta = {name: stats_meta[name] for name in names}
+            grads = [g for g in grads if g is not None]
+        dtensor = dtensor_class()
+        if not lean_applies(live, grads) or (dtensor is not None and any(isinstance(g, dtensor) for g in grads)):
+            return False
+        stats = LeanStep(self._stats_pools.setdefault(opt_index, SnapshotPool()), names, live, live, grads)
+        scalars = self._step_scalars.setdefault(opt_index, {})
+        backward = self._backward_norms.pop(opt_index, None)
+        if backward is not None:
+            scalars[schema.SCALAR_GRAD_NORM_BACKWARD] = backward
+        scalars[schema.SCALAR_GRAD_NORM_AT_STEP] = (stats.grad_norm if plan.all_selected else
+                                                    total_norm(_gradients(optimizer)))
+        record = Record(optimizer=opt_index, step=step, backward_pass=self._backward_passes(optimizer),
+                        wall_time=time.time(), hparams=[hparams_snapshot(g) for g in optimizer.param_groups],
+                        params=[], closure_losses=None, full=False)
+        self._pending[opt_index] = _StepInProgress(record=record, params=tracked, selected=False, closure=False,
+                                                   stats=stats, stats_meta=stats_meta)
+        return True
+
+    def _lean_plan(self, optimizer: torch.optim.Optimizer, names: ParamNames, layout: tuple) -> _LeanPlan | None:
+        """The selected parameters of this layout, named, with their metadata; None when one is a DTensor."""
+        dtensor = dtensor_class()
+        tracked, all_selected = [], True
+        for g, group in enumerate(optimizer.param_groups):
+            for i, p in enumerate(group["params"]):
+                name = names[p]
+                if not is_selected(name, self.include, self.exclude):
+                    all_selected = False
+                    continue
+                if dtensor is not None and isinstance(p, dtensor):
+                    return None
+                tracked.append(_TrackedParam(live=p, snapshot=ParamSnapshot(name=name, group=g, index_in_group=i)))
+        return _LeanPlan(layout=layout, tracked=tracked, live=[t.live for t in tracked],
+                         names=[t.snapshot.name for t in tracked], all_selected=all_selected,
+                         stats_meta={t.snapshot.name: param_meta(t.snapshot, t.live) for t in tracked})
 
     @staticmethod
     def _launch_stats_before_step(stats: StepStatistics, params: list[_TrackedParam], optimizer,
@@ -660,7 +733,8 @@ class Recorder:
             rec.params = [t.snapshot for t in pending.params]
         if pending.stats is not None:
             rec.stats = self._step_statistics(pending)
-            rec.stats_meta = {t.snapshot.name: param_meta(t.snapshot, local_part(t.live)) for t in pending.params}
+            rec.stats_meta = pending.stats_meta if pending.stats_meta is not None else {
+                t.snapshot.name: param_meta(t.snapshot, local_part(t.live)) for t in pending.params}
             if self._job_scalars is not None:
                 self._job_parts[opt_index] = (rec.step, {
                     t.snapshot.name: (element_count(local_part(t.live)), rec.stats[t.snapshot.name])
@@ -856,7 +930,8 @@ class Recorder:
 
 def _gradients(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
     """The optimizer's gradients (of a DTensor, the local part: the whole of it when one process holds it all)."""
-    return [local_part(p.grad) for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
+    grads = [p.grad for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
+    return grads if dtensor_class() is None else [local_part(g) for g in grads]
 
 
 def _tensorboard_name(opt_index: int, name: str) -> str:

@@ -52,6 +52,8 @@ class StatsTableWriter:
                     self.param_index[name] = len(self.params)
                     self.params.append(name)
                     new_params.append((name, rec.stats_meta.get(name, {})))
+                if values.keys() <= self.column_index.keys():  # the usual row: one set comparison, in C
+                    continue
                 for c in values:
                     if c not in self.column_index:
                         self.column_index[c] = len(self.columns)
