@@ -15,180 +15,186 @@ RATIO_TABLE_COLUMNS = ["optimizer", "param", "record", "step", "lr", "numel", "u
                  "grad_nonfinite", "flag"]
 
 
-def row_std(x: torch.Tensor) -> torch.Tensor:
-    """Unbiased std of each row of a (rows, ...) tensor, like torch.Tensor.std() on each recorded tensor."""
-    flat = real_numbers(x).reshape(x.shape[0], -1).double()
-    if flat.shape[1] < 2:
-        return torch.full((x.shape[0],), float("nan"), dtype=torch.float64)
-    return flat.std(dim=1)
-
-
-def row_norm(x: torch.Tensor) -> torch.Tensor:
-    return real_numbers(x).reshape(x.shape[0], -1).double().norm(dim=1)
-
-
 def ratio_flags(numel: int, param_std, update_std, grad_nonfinite) -> list[str]:
     """Why a ratio is not a plain finite number, per row ('' when it is)."""
-    flags = []
-    for p_std, u_std, bad in zip(param_std, update_std, grad_nonfinite):
+    param_std, update_std = np.asarray(param_std, np.float64), np.asarray(update_std, np.float64)
+    grad_bad = np.asarray(grad_nonfinite) != 0
+    if numel < 2:
+        odd = np.ones(len(param_std), bool)
+    else:
+        odd = (param_std == 0) | (update_std == 0) | grad_bad | ~(np.isfinite(param_std) & np.isfinite(update_std))
+    flags = [""] * len(param_std)
+    for i in np.flatnonzero(odd):  # the few rows that need a reason
         reasons = []
         if numel < 2:
             reasons.append("one-element")
         else:
-            if p_std == 0:
+            if param_std[i] == 0:
                 reasons.append("zero-param-std")
-            if u_std == 0:
+            if update_std[i] == 0:
                 reasons.append("zero-update")
-        if bad:
+        if grad_bad[i]:
             reasons.append("nonfinite-grad")
-        if not reasons and not (np.isfinite(p_std) and np.isfinite(u_std)):
+        if not reasons and not (np.isfinite(param_std[i]) and np.isfinite(update_std[i])):
             reasons.append("nonfinite")
-        flags.append(",".join(reasons))
+        flags[i] = ",".join(reasons)
     return flags
 
 
-def block_ratios(before: torch.Tensor | None, after: torch.Tensor | None, grad: torch.Tensor | None,
-                 rows: int) -> dict[str, np.ndarray]:
-    """All per-row statistics of one block of a parameter's history (tensors shaped (rows, *param_shape))."""
-    nan = torch.full((rows,), float("nan"), dtype=torch.float64)
-    param_std = row_std(before) if before is not None else nan
-    param_norm = row_norm(before) if before is not None else nan
-    if before is not None and after is not None:
-        update = after.double() - before.double()
-        update_std, update_norm = row_std(update), row_norm(update)
-    else:
-        update_std = update_norm = nan
-    if grad is not None:
-        grad_std, grad_norm = row_std(grad), row_norm(grad)
-        grad_nonfinite = (~torch.isfinite(grad.reshape(rows, -1))).sum(dim=1)
-    else:
-        grad_std = grad_norm = nan
-        grad_nonfinite = torch.zeros(rows, dtype=torch.int64)
-    return {
-        UPDATE_TO_DATA: update_to_data(update_std.numpy(), param_std.numpy()),
-        GRAD_TO_DATA: grad_to_data(grad_std.numpy(), param_std.numpy()),
-        "update_std": update_std.numpy(), "param_std": param_std.numpy(), "grad_std": grad_std.numpy(),
-        "update_norm": update_norm.numpy(), "grad_norm": grad_norm.numpy(), "param_norm": param_norm.numpy(),
-        "grad_nonfinite": grad_nonfinite.numpy(),
-    }
-
-
 # Elements per pass of the streaming sums: a few float64 temporaries of this size stay in the CPU cache.
-SUM_CHUNK = 1 << 15
+SUM_CHUNK = 1 << 16
 # A variance from sums whose mean^2 term cancels all but this fraction of the sum of squares is recomputed two-pass.
 CANCELLATION = 1e-6
+STAT_COLUMNS = ("param_std", "update_std", "grad_std", "param_norm", "update_norm", "grad_norm")
 
 
-class Sums:
-    """Streaming count, sum and sum of squares of one tensor (float64), chunk by chunk: the std and the norm in one
-    pass over memory, without float64 copies of whole tensors."""
-
-    __slots__ = ("n", "s1", "s2", "nonfinite")
-
-    def __init__(self):
-        self.n, self.s1, self.s2, self.nonfinite = 0, 0.0, 0.0, 0
-
-    def add(self, x: torch.Tensor, count_nonfinite: bool = False) -> None:
-        s1, s2 = float(x.sum()), float(torch.dot(x, x))
-        self.n += x.numel()
-        self.s1 += s1
-        self.s2 += s2
-        if count_nonfinite and not (math.isfinite(s1) and math.isfinite(s2)):
-            self.nonfinite += int((~torch.isfinite(x)).sum())
-
-    def std(self) -> float:
-        """Unbiased std (torch.std), or None when the sums cancel too much to trust (recompute two-pass)."""
-        if self.n < 2:
-            return math.nan
-        centered = self.s2 - self.s1 * self.s1 / self.n
-        if not math.isfinite(centered):
-            return math.nan
-        if centered <= CANCELLATION * self.s2:
-            return None
-        return math.sqrt(centered / (self.n - 1))
-
-    def norm(self) -> float:
-        return math.sqrt(self.s2)
+def _add_sums(sums: torch.Tensor, x: torch.Tensor) -> None:
+    """sums[:, 0] += each row's sum, sums[:, 1] += each row's sum of squares (x: float64, (rows, columns))."""
+    sums[:, 0] += x.sum(1)
+    sums[:, 1] += (x * x).sum(1)
 
 
-def _row_sums(before, after, grad) -> tuple[Sums, Sums, Sums]:
-    """Sums of the parameter, the update (after - before) and the gradient of one recorded row (flat tensors in the
-    stored dtype, any of them None), chunk by chunk."""
-    out = (Sums(), Sums(), Sums())
-    size = next(t.numel() for t in (before, after, grad) if t is not None)
+def _row_sums(sums: np.ndarray, before, after, grad, buffers) -> None:
+    """sums[k] = (sum, sum of squares) of the parameter (k=0), the update (1) and the gradient (2) of one long row
+    (flat tensors in the stored dtype, any of them None), SUM_CHUNK numbers at a time converted into reused float64
+    buffers: one dot product per chunk, no temporary the size of the row."""
+    size = next(t.numel() for t in (before, grad) if t is not None)
+    acc = [0.0] * 6
     for lo in range(0, size, SUM_CHUNK):
-        part = slice(lo, lo + SUM_CHUNK)
-        b = before[part].double() if before is not None else None
-        if b is not None:
-            out[0].add(b)
+        hi = min(lo + SUM_CHUNK, size)
+        if before is not None:
+            b = buffers[0][:hi - lo].copy_(before[lo:hi])
+            acc[0] += float(b.sum())
+            acc[1] += float(torch.dot(b, b))
             if after is not None:
-                out[1].add(after[part].double().sub_(b))
+                u = torch.sub(after[lo:hi], b, out=buffers[1][:hi - lo])
+                acc[2] += float(u.sum())
+                acc[3] += float(torch.dot(u, u))
         if grad is not None:
-            out[2].add(grad[part].double(), count_nonfinite=True)
-    return out
+            g = buffers[2][:hi - lo].copy_(grad[lo:hi])
+            acc[4] += float(g.sum())
+            acc[5] += float(torch.dot(g, g))
+    sums[:] = np.reshape(acc, (3, 2))
+
+
+def _stds(sums: np.ndarray, n: int) -> np.ndarray:
+    """Unbiased std (torch.std) of each row from its (sum, sum of squares) over n numbers; NaN where the sums cancel
+    too much to trust (the caller recomputes those two-pass) and where n < 2."""
+    if n < 2:
+        return np.full(len(sums), np.nan)
+    s1, s2 = sums[:, 0], sums[:, 1]
+    with np.errstate(invalid="ignore", over="ignore"):
+        centered = s2 - s1 * s1 / n
+        std = np.sqrt(np.maximum(centered, 0.0) / (n - 1))
+    return np.where(np.isfinite(centered), std, np.nan)
 
 
 def _two_pass_std(x: torch.Tensor) -> float:
     return float(x.double().std()) if x.numel() >= 2 else math.nan
 
 
-def _rows_ratios(p, rows: slice) -> dict[str, np.ndarray]:
-    """block_ratios for rows of a parameter read with ``read_part``: one read per kind for all the rows, then the
-    streaming sums of each row."""
-    kinds = (schema.KIND_PARAM, schema.KIND_PARAM_AFTER, schema.KIND_GRAD)
-    data = {k: (real_numbers(p.read_part(k, rows)).reshape(rows.stop - rows.start, -1) if k in p.kinds else None)
-            for k in kinds}
-    n = rows.stop - rows.start
-    cols = {c: np.full(n, np.nan) for c in ("param_std", "update_std", "grad_std", "param_norm", "update_norm",
-                                            "grad_norm")}
-    grad_nonfinite = np.zeros(n, np.int64)
-    for i in range(n):
-        before, after, grad = (data[k][i] if data[k] is not None else None for k in kinds)
-        if before is None and grad is None:
-            continue
-        sums = _row_sums(before, after if before is not None else None, grad)
-        for name, s, tensor in (("param", sums[0], before), ("update", sums[1], None), ("grad", sums[2], grad)):
-            if s.n == 0 and name != "update":
+def block_ratios(before: torch.Tensor | None, after: torch.Tensor | None, grad: torch.Tensor | None,
+                 rows: int) -> dict[str, np.ndarray]:
+    """All per-row statistics of one block of a parameter's history: tensors shaped (rows, *param_shape), in any
+    floating dtype (the stored one: nothing is converted whole), any of them None.
+
+    The std and norm of the parameter, its update (after - before) and its gradient come from float64 sums and sums
+    of squares taken over every row at once, SUM_CHUNK numbers per pass (float64 temporaries that stay in the CPU
+    cache); a row whose sums cancel (a nearly constant tensor: |mean| >> std) gets the exact two-pass std."""
+    data = [None if t is None else real_numbers(t).reshape(rows, -1) for t in (before, after, grad)]
+    before, after, grad = data
+    if before is None:
+        after = None  # no update without the parameter before the step
+    cols = {c: np.full(rows, np.nan) for c in STAT_COLUMNS}
+    grad_nonfinite = np.zeros(rows, np.int64)
+    present = [t for t in (before, grad) if t is not None]
+    n = present[0].shape[1] if present else 0
+    if rows and n:
+        if n >= SUM_CHUNK:  # long rows: one row at a time, a dot product per chunk
+            sums = np.zeros((3, rows, 2))
+            buffers = [torch.empty(min(n, SUM_CHUNK), dtype=torch.float64) for _ in range(3)]
+            for i in range(rows):
+                _row_sums(sums[:, i], *(None if t is None else t[i] for t in (before, after, grad)), buffers)
+        else:  # short rows: every row at once, a few operations per chunk of rows
+            sums = torch.zeros(3, rows, 2, dtype=torch.float64)  # param, update, grad x (sum, sum of squares)
+            width = max(1, SUM_CHUNK // rows)
+            for lo in range(0, n, width):
+                part = slice(lo, lo + width)
+                if before is not None:
+                    b = before[:, part].double()
+                    _add_sums(sums[0], b)
+                    if after is not None:
+                        _add_sums(sums[1], after[:, part].double().sub_(b))
+                if grad is not None:
+                    _add_sums(sums[2], grad[:, part].double())
+            sums = sums.numpy()
+        exact = {0: lambda i: before[i], 1: lambda i: after[i].double() - before[i].double(), 2: lambda i: grad[i]}
+        for k, (name, tensor) in enumerate((("param", before), ("update", after), ("grad", grad))):
+            if tensor is None:
                 continue
-            if name == "update" and (before is None or after is None):
-                continue
-            std = s.std()
-            if std is None:  # nearly constant: the sums cancel; the exact two-pass std
-                exact = tensor if tensor is not None else after.double() - before.double()
-                std = _two_pass_std(exact)
-            cols[f"{name}_std"][i], cols[f"{name}_norm"][i] = std, s.norm()
-        grad_nonfinite[i] = sums[2].nonfinite
+            std = _stds(sums[k], n)
+            with np.errstate(invalid="ignore", over="ignore"):
+                centered = sums[k][:, 1] - sums[k][:, 0] ** 2 / n
+                cancels = np.isfinite(centered) & (centered <= CANCELLATION * sums[k][:, 1]) & (n >= 2)
+            for i in np.flatnonzero(cancels):  # nearly constant: the sums cancel; the exact two-pass std
+                std[i] = _two_pass_std(exact[k](i))
+            cols[f"{name}_std"], cols[f"{name}_norm"] = std, np.sqrt(sums[k][:, 1])
+        if grad is not None:
+            for i in np.flatnonzero(~np.isfinite(sums[2]).all(1)):  # non-finite sums: count the elements
+                grad_nonfinite[i] = int((~torch.isfinite(grad[i])).sum())
     return {UPDATE_TO_DATA: update_to_data(cols["update_std"], cols["param_std"]),
             GRAD_TO_DATA: grad_to_data(cols["grad_std"], cols["param_std"]), **cols, "grad_nonfinite": grad_nonfinite}
 
 
+def _rows_ratios(p, rows: slice) -> dict[str, np.ndarray]:
+    """block_ratios for rows of a parameter read with ``read_part``: one read per kind for all the rows, in the
+    stored dtype."""
+    kinds = (schema.KIND_PARAM, schema.KIND_PARAM_AFTER, schema.KIND_GRAD)
+    data = [p.read_part(k, rows) if k in p.kinds else None for k in kinds]
+    return block_ratios(*data, rows.stop - rows.start)
+
+
 def ratios_frame(run, block_bytes: int) -> pd.DataFrame:
-    frames = []
+    """The ratio table of every full-tensor record: one row per (optimizer, parameter, record), built as one
+    DataFrame from the columns of every block (not one DataFrame per block)."""
+    parts = []  # (optimizer, param, numel, records, steps, lr, stats)
     kinds = (schema.KIND_PARAM, schema.KIND_PARAM_AFTER, schema.KIND_GRAD)
     for opt in run.optimizers:
+        lrs = opt.learning_rates
         for p in opt.param_records.values():
             if p.num_rows == 0:
                 continue
             if hasattr(p, "read_part"):  # one file: rows read together, in the stored dtype, summed in chunks
                 per_read = max(1, block_bytes // (4 * 3 * max(1, p.numel)))
-                parts = ((rows, _rows_ratios(p, rows)) for rows in
-                         (slice(lo, min(lo + per_read, p.num_rows)) for lo in range(0, p.num_rows, per_read)))
+                blocks = ((rows, _rows_ratios(p, rows)) for rows in
+                          (slice(lo, min(lo + per_read, p.num_rows)) for lo in range(0, p.num_rows, per_read)))
             else:  # a distributed job's stitched parameter
-                parts = ((rows, block_ratios(block.get(schema.KIND_PARAM), block.get(schema.KIND_PARAM_AFTER),
-                                             block.get(schema.KIND_GRAD), rows.stop - rows.start))
-                         for rows, block in p.iter_blocks(kinds, block_bytes))
-            for rows, stats in parts:
+                blocks = ((rows, block_ratios(block.get(schema.KIND_PARAM), block.get(schema.KIND_PARAM_AFTER),
+                                              block.get(schema.KIND_GRAD), rows.stop - rows.start))
+                          for rows, block in p.iter_blocks(kinds, block_bytes))
+            group = p.param_group if p.param_group is not None else 0
+            for rows, stats in blocks:
                 records = p.records[rows]
-                group = p.param_group if p.param_group is not None else 0
-                lrs = opt.learning_rates
-                lr = lrs[records, group] if lrs.ndim == 2 and group < lrs.shape[1] else np.nan
-                df = pd.DataFrame({"optimizer": opt.index, "param": p.name, "record": records,
-                                   "step": opt.steps[records], "lr": lr, "numel": p.numel, **stats})
-                df["flag"] = ratio_flags(p.numel, stats["param_std"], stats["update_std"], stats["grad_nonfinite"])
-                frames.append(df)
-    if not frames:
+                lr = lrs[records, group] if lrs.ndim == 2 and group < lrs.shape[1] else np.full(len(records), np.nan)
+                stats["flag"] = ratio_flags(p.numel, stats["param_std"], stats["update_std"], stats["grad_nonfinite"])
+                parts.append((opt.index, p.name, p.numel, records, opt.steps[records], lr, stats))
+    if not parts:
         return pd.DataFrame(columns=RATIO_TABLE_COLUMNS)
-    return pd.concat(frames, ignore_index=True)[RATIO_TABLE_COLUMNS]
+    counts = [len(part[3]) for part in parts]
+    columns = {
+        "optimizer": np.repeat([part[0] for part in parts], counts),
+        "param": np.repeat(np.array([part[1] for part in parts], dtype=object), counts),
+        "record": np.concatenate([part[3] for part in parts]),
+        "step": np.concatenate([part[4] for part in parts]),
+        "lr": np.concatenate([np.asarray(part[5]) for part in parts]),
+        "numel": np.repeat([part[2] for part in parts], counts),
+    }
+    for name in RATIO_TABLE_COLUMNS[6:]:
+        if name == "flag":
+            columns[name] = [flag for part in parts for flag in part[6]["flag"]]
+        else:
+            columns[name] = np.concatenate([part[6][name] for part in parts])
+    return pd.DataFrame(columns)[RATIO_TABLE_COLUMNS]
 
 
 def ratios_from_stats(stats: pd.DataFrame, numel: dict) -> pd.DataFrame:

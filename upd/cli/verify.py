@@ -40,7 +40,7 @@ def report_text(report) -> str:
                    "can instead declare an entry point in the 'torch_upd.replay_rules' group, which is always "
                    "loaded.")
 @click.option("--jobs", "-j", type=click.IntRange(min=1), default=1, show_default=True,
-              help="Worker processes sharing the parameters (one core each).")
+              help="Processes sharing the parameters and their steps: this one and N-1 workers (one core each).")
 def verify(run, rtol, ulps, as_json, csv_path, rule_modules, jobs):
     """Replay the optimizer's math for every recorded step of RUN and compare with the recorded update.
 

@@ -14,16 +14,20 @@ from dataclasses import dataclass, field, fields
 import pandas as pd
 import torch
 
+from .. import exit_codes
 from ..runfile import encoding, schema
 from ..runfile.job import Job
 from ..runfile.reader import OptimizerRun, ParamRecord, Run, RunFileError, open_run
 from ..runfile.record import holds_part
-from . import blocks, parallel
+from . import batch, blocks, parallel
 from .explain import explain
-from .registry import NotReplayable, ReplayRule, check_tolerances, lookup, registered, same_shape
+from .registry import (NotReplayable, ReplayRule, ReplayRuleError, check_tolerances, lookup, registered,
+                       same_shape)
 
 # Exit codes of `upd verify` (documented in README, docs/verify.md and `upd --help`).
-EXIT_MATCH, EXIT_MISMATCH, EXIT_UNUSABLE, EXIT_NOTHING_VERIFIABLE, EXIT_RULE_FAILED = 0, 1, 2, 3, 4
+EXIT_MATCH, EXIT_MISMATCH, EXIT_UNUSABLE, EXIT_NOTHING_VERIFIABLE, EXIT_RULE_FAILED = (
+    exit_codes.EXIT_MATCH, exit_codes.EXIT_MISMATCH, exit_codes.EXIT_UNUSABLE, exit_codes.EXIT_NOTHING_VERIFIABLE,
+    exit_codes.EXIT_RULE_FAILED)
 
 
 @dataclass
@@ -210,10 +214,10 @@ def verify(run, *, rtol: float | None = None, ulps: float | None = None, jobs: i
 
     ``run`` is a path or an open ``upd.Run`` or ``Job`` (a distributed job: every rank's file is replayed as it is,
     shard by shard, and replicas several ranks hold whole are checked to agree). ``rtol``/``ulps`` override each
-    rule's documented tolerance (finite, >= 0: ValueError otherwise). ``jobs``: worker processes sharing the
-    parameters (parallel.py; ``rule_modules``: modules they import for rules registered outside the run's own
-    rule modules). Raises ``RunFileError`` for an unusable file and ``upd.replay.ReplayRuleError`` when a replay
-    rule raises (a bug in the rule).
+    rule's documented tolerance (finite, >= 0: ValueError otherwise). ``jobs``: processes sharing the parameters
+    and their steps, this one and jobs - 1 workers (parallel.py; ``rule_modules``: modules the workers import for
+    rules registered outside the run's own rule modules). Raises ``RunFileError`` for an unusable file and
+    ``upd.replay.ReplayRuleError`` when a replay rule raises (a bug in the rule).
     """
     check_tolerances(rtol, ulps)
     if not isinstance(jobs, int) or jobs < 1:
@@ -240,9 +244,10 @@ def verify(run, *, rtol: float | None = None, ulps: float | None = None, jobs: i
                 coverage = _coverage(opt)
                 if coverage and coverage not in problems:
                     problems.append(coverage)
+                computed = optimizer_checks(replay, list(opt.param_records.values())) if found is None else None
                 for p in opt.param_records.values():
                     param_found = (found[(file.path, opt.index, p.name)] if found is not None
-                                   else param_checks(replay, p))
+                                   else computed[p.name])
                     checks += [(rank, check) for check in param_found]
                     per_param.setdefault((opt.index, p.name), (p, []))[1].extend(param_found)
         if job is not None:
@@ -260,8 +265,8 @@ def verify(run, *, rtol: float | None = None, ulps: float | None = None, jobs: i
 
 
 def _parallel(files: dict, replays: dict, jobs: int, rule_modules, rtol, ulps) -> dict | None:
-    """Every parameter's checks computed by `jobs` worker processes, or None when workers could not reproduce this
-    process's rules (parallel.py)."""
+    """Every parameter's checks computed by `jobs` processes (this one and jobs - 1 workers), or None when workers
+    could not reproduce this process's rules (parallel.py)."""
     rules = [r.rule for r in replays.values() if r.rule is not None]
     modules = parallel.worker_modules(rules, rule_modules)
     if modules is None:
@@ -270,10 +275,16 @@ def _parallel(files: dict, replays: dict, jobs: int, rule_modules, rtol, ulps) -
     for rank, file in files.items():
         for opt in file.optimizers:
             for p in opt.param_records.values():
-                units[(file.path, opt.index, p.name)] = max(1, p.numel) * max(1, p.num_rows)
+                units[(file.path, opt.index, p.name, 0, p.num_rows)] = max(1, p.numel) * max(1, p.num_rows)
     if not units:
         return {}
-    return parallel.parallel_checks(units, min(jobs, len(units)), modules, rtol=rtol, ulps=ulps)
+    units = parallel.split_rows(units, jobs)
+    runs = {file.path: file for file in files.values()}  # this process replays too
+    found = parallel.parallel_checks(units, min(jobs, len(units)), modules, runs=runs, rtol=rtol, ulps=ulps)
+    out: dict = {}
+    for (path, opt_index, name, _, _), checks in sorted(found.items(), key=lambda kv: kv[0][3]):  # rows in order
+        out.setdefault((path, opt_index, name), []).extend(checks)
+    return out
 
 
 @dataclass
@@ -303,28 +314,32 @@ class OptimizerReplay:
         return groups[index]
 
 
-def param_checks(replay: OptimizerReplay, p: ParamRecord, block_elements: int | None = None) -> list[Check]:
+def param_checks(replay: OptimizerReplay, p: ParamRecord, block_elements: int | None = None,
+                 rows: range | None = None) -> list[Check]:
     """Replay every recorded step of one parameter and compare it with the record: the parameter after the step,
-    and, when the next step was recorded, the optimizer state and the parameter before it. One Check per row.
+    and, when the next step was recorded, the optimizer state and the parameter before it. One Check per row (per
+    row of `rows` when given: a share of a long history, as a worker process of ``jobs=`` gets it).
 
     The history is read and replayed in bounded blocks (blocks.py): memory stays within a few float64 copies of
     ``block_elements`` elements, whatever the parameter's size, unless the rule needs the whole tensor."""
     opt = replay.opt
     block_elements = block_elements or blocks.BLOCK_ELEMENTS
-    checks = [Check(optimizer=opt.index, param=p.name, record=int(r), step=int(opt.steps[int(r)])) for r in p.records]
+    rows = range(p.num_rows) if rows is None else rows
+    checks = {row: Check(optimizer=opt.index, param=p.name, record=int(p.records[row]),
+                         step=int(opt.steps[int(p.records[row])])) for row in rows}
     reason = _not_replayable(replay, p)
     if reason:
-        for check in checks:
+        for check in checks.values():
             check.note = reason
-        return checks
+        return list(checks.values())
     todo = []
-    for row, check in enumerate(checks):
+    for row, check in checks.items():
         if not replay.state_recorded and check.step != 0:
             check.note = "optimizer state not recorded (what= excluded 'state')"
         else:
             todo.append(row)
     if not todo:
-        return checks
+        return list(checks.values())
     plan = _ReplayPlan.of(replay, p, block_elements)
     results = {row: blocks.RowResult() for row in todo}
     next_rows = {row: _next_row(p, opt, row, checks[row].record) for row in todo}
@@ -333,7 +348,79 @@ def param_checks(replay: OptimizerReplay, p: ParamRecord, block_elements: int | 
     _replay_blocks(replay, p, plan, todo, next_rows, checks, results, compare=True)
     for row in todo:
         _finish(checks[row], results[row])
-    return checks
+    return list(checks.values())
+
+
+def optimizer_checks(replay: OptimizerReplay, params: list, block_elements: int | None = None) -> dict[str, list]:
+    """{name: param_checks(replay, p)} for parameters of one optimizer, the small parameters of each param group
+    that share their records replayed together as one tensor (batch.py); the others, and every parameter of a
+    batch that cannot be replayed as one or whose check mismatches, one by one."""
+    block_elements = block_elements or blocks.BLOCK_ELEMENTS
+    out: dict[str, list] = {}
+    for members in _batches(replay, params, block_elements):
+        out.update(_batch_checks(replay, members))
+    return {p.name: out[p.name] if p.name in out else param_checks(replay, p, block_elements) for p in params}
+
+
+def _batches(replay: OptimizerReplay, params: list, block_elements: int) -> list[list]:
+    """Groups of at least two parameters (with their plans) that batch.replay_row can replay together: small, an
+    elementwise rule, state recorded, and the same param group, records, state keys and tolerance."""
+    if replay.rule is None or not replay.state_recorded:
+        return []
+    groups: dict = {}
+    for p in params:
+        if not 1 < p.numel <= batch.BATCH_ELEMENTS or p.num_rows == 0 or _not_replayable(replay, p):
+            continue
+        plan = _ReplayPlan.of(replay, p, block_elements)
+        if plan.chunk is None:  # the rule needs whole tensors or rows
+            continue
+        key = (p.param_group or 0, p.records.tobytes(), tuple(plan.state_keys), tuple(sorted(plan.elementwise_keys)),
+               (plan.tol.eps, plan.tol.ulps, plan.tol.rtol))
+        groups.setdefault(key, []).append((p, plan))
+    out = []
+    for members in groups.values():  # at most a block's elements per batch and step
+        batch_now, size = [], 0
+        for member in members:
+            if batch_now and size + member[0].numel > block_elements:
+                out.append(batch_now)
+                batch_now, size = [], 0
+            batch_now.append(member)
+            size += member[0].numel
+        out.append(batch_now)
+    return [members for members in out if len(members) > 1]
+
+
+def _batch_checks(replay: OptimizerReplay, members: list) -> dict[str, list]:
+    """{name: checks} of a batch replayed as one; what must be checked one by one is left out (all of it when the
+    batch cannot be replayed as one)."""
+    opt, path = replay.opt, replay.run.path
+    first, plan = members[0]
+    names = [p.name for p, _ in members]
+    checks = {p.name: [Check(optimizer=opt.index, param=p.name, record=int(r), step=int(opt.steps[int(r)]))
+                       for r in p.records] for p, _ in members}
+    redo = set()
+    # rows read at once: the batch's elements of all of them within a block (blocks.BLOCK_ELEMENTS), as one by one
+    per_read = max(1, plan.block_elements // sum(p.numel for p, _ in members))
+    tiles: list = []
+    try:
+        for row in range(first.num_rows):
+            if row % per_read == 0:  # the next rows, and the row after them (the next step's record)
+                rows = slice(row, min(row + per_read + 1, first.num_rows))
+                tiles = [blocks.Tile(p, rows, (), plan.state_keys, plan.elementwise_keys, path) for p, plan in members]
+            record = int(first.records[row])
+            step = int(opt.steps[record])
+            has_next = _next_row(first, opt, row, record) is not None
+            where = f"optimizer {opt.index}, parameters {names[0]!r} and {len(names) - 1} more, step {step}"
+            results = batch.replay_row(replay.rule, tiles, row, has_next, replay.state_recorded, plan.elementwise_keys,
+                                       replay.group(record, first.param_group or 0), step, plan.tol, where, path)
+            for name, result in zip(names, results):
+                check = checks[name][row]
+                _finish(check, result)
+                if check.status == "mismatch":  # its explanation comes from the one-by-one path
+                    redo.add(name)
+    except (batch.Fallback, ReplayRuleError, RunFileError):
+        return {}  # each parameter replayed (and its failure reported) on its own
+    return {name: found for name, found in checks.items() if name not in redo}
 
 
 def _not_replayable(replay: OptimizerReplay, p: ParamRecord) -> str | None:

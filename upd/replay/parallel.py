@@ -1,10 +1,13 @@
-"""``verify(..., jobs=N)``: the parameters of a run replayed in N worker processes, for runs that take one core
-minutes.
+"""``verify(..., jobs=N)``: the parameters of a run replayed in N processes (this one and N - 1 workers), for runs
+that take one core minutes.
 
-Each parameter's checks depend on that parameter's records only, so parameters are the unit of work: they are
-dealt to the workers largest first (by bytes recorded), each worker opens the run file itself and returns its
-checks, and the parent assembles them in the order a serial verify gives. Processes, not threads: the replay is
-many small torch operations whose Python overhead holds the GIL.
+Each parameter's checks depend on that parameter's records only, and each step's on that step's, so the units of
+work are parameters, and ranges of steps of a parameter that would otherwise take more than its share. Tasks
+(units grouped up to about 1/(8N) of the run) are taken largest first by the workers and smallest first by this
+process, each by whichever process claims it first (a shared flag per task), so no process waits for another to
+start and none ends long after the others; each worker opens the run file itself, once, and reads only its units'
+datasets. This process assembles the checks in the order a serial verify gives. Processes, not threads: the replay
+is many small torch operations whose Python overhead holds the GIL.
 
 Workers are forks of a fresh interpreter that imported torch and the rules once (the "forkserver" method; "spawn"
 where there is none), never of the calling process (whose torch threads and open files a fork would copy), so they
@@ -17,10 +20,14 @@ from __future__ import annotations
 
 import contextlib
 import multiprocessing
+import os
 import sys
+import time
 from concurrent.futures import ProcessPoolExecutor
 
 _RUNS: dict = {}  # per worker: path -> open Run
+_CLAIMS = None  # per worker: the shared flags of the tasks some process has taken
+WORKER_CPU: dict = {}  # in the parent: {worker process id: CPU seconds of its tasks} of the last parallel_checks
 
 
 def worker_modules(rules, extra=()) -> list[str] | None:
@@ -36,30 +43,78 @@ def worker_modules(rules, extra=()) -> list[str] | None:
     return modules
 
 
-def _start(modules: list[str]) -> None:
+def _start(modules: list[str], claims) -> None:
+    global _CLAIMS
     import torch
 
     from .registry import load_plugins
 
     torch.set_num_threads(1)  # one core per worker: the workers are the parallelism
     load_plugins(modules)
+    _CLAIMS = claims
 
 
-def _checks_of(path: str, units: list, rtol, ulps, block_elements) -> list:
-    """Worker: the checks of each (optimizer index, parameter name) of the run file at `path`."""
+def _claim(claims, index: int) -> bool:
+    """Take task `index` for this process: False when another process took it first."""
+    with claims.get_lock():
+        if claims[index]:
+            return False
+        claims[index] = 1
+        return True
+
+
+def _checks_of(index: int, path: str, units: list, rtol, ulps, block_elements) -> tuple[list, int, float] | None:
+    """Worker: task `index`, the checks of each (optimizer index, parameter name, first row, end row) of the run
+    file at `path` (opened once per worker), with this process's id and the CPU seconds the task took; None when the
+    parent took the task first."""
     from ..runfile.reader import Run
-    from .engine import OptimizerReplay, param_checks
 
+    if not _claim(_CLAIMS, index):
+        return None
+    started = time.process_time()
     run = _RUNS.get(path)
     if run is None:
         run = _RUNS[path] = Run(path)
-    out = []
-    replays = {}
-    for opt_index, name in units:
+    return checks_in(run, units, rtol, ulps, block_elements), os.getpid(), time.process_time() - started
+
+
+def checks_in(run, units: list, rtol, ulps, block_elements) -> list:
+    """The checks of each (optimizer index, parameter name, first row, end row) of an open run: the parameters
+    whose every row is in `units` replayed with the small ones together (engine.optimizer_checks), the others row
+    range by row range."""
+    from .engine import OptimizerReplay, optimizer_checks, param_checks
+
+    found = {}
+    for opt_index in dict.fromkeys(unit[0] for unit in units):
         opt = next(o for o in run.optimizers if o.index == opt_index)
-        if opt_index not in replays:
-            replays[opt_index] = OptimizerReplay.of(run, opt, rtol=rtol, ulps=ulps)
-        out.append(param_checks(replays[opt_index], opt.param_records[name], block_elements))
+        replay = OptimizerReplay.of(run, opt, rtol=rtol, ulps=ulps)
+        mine = [unit for unit in units if unit[0] == opt_index]
+        whole = [opt.param_records[name] for _, name, lo, hi in mine
+                 if lo == 0 and hi == opt.param_records[name].num_rows]
+        for name, checks in optimizer_checks(replay, whole, block_elements).items():
+            found[(opt_index, name, 0, opt.param_records[name].num_rows)] = checks
+        for unit in mine:
+            if unit not in found:
+                found[unit] = param_checks(replay, opt.param_records[unit[1]], block_elements, range(unit[2], unit[3]))
+    return [found[unit] for unit in units]
+
+
+def split_rows(units: dict, jobs: int) -> dict:
+    """Work units {(path, optimizer index, name, first row, end row): cost} with every unit costing more than
+    1/(4 jobs) of the total cut into row ranges of about that cost: the steps of a parameter are checked
+    independently, so one large parameter of a long run is shared by the workers instead of setting the pace.
+    (A parameter recorded at a single step is one unit whatever its size.)"""
+    target = sum(units.values()) / (4 * jobs)
+    out = {}
+    for (path, opt_index, name, lo, hi), cost in units.items():
+        per_row = cost / max(1, hi - lo)
+        step = max(1, int(target // per_row)) if per_row else hi - lo
+        if cost <= target or step >= hi - lo:
+            out[(path, opt_index, name, lo, hi)] = cost
+            continue
+        for first in range(lo, hi, step):
+            end = min(first + step, hi)
+            out[(path, opt_index, name, first, end)] = per_row * (end - first)
     return out
 
 
@@ -96,27 +151,50 @@ def _main_not_rerun():
                 main.__dict__.pop("__spec__", None)
 
 
-def parallel_checks(units: dict, jobs: int, modules: list[str], *, rtol=None, ulps=None,
+def parallel_checks(units: dict, jobs: int, modules: list[str], *, runs: dict | None = None, rtol=None, ulps=None,
                     block_elements=None) -> dict:
-    """{(path, optimizer index, name): cost} -> {same key: [Check]}, computed in `jobs` processes."""
+    """{(path, optimizer index, name, first row, end row): cost} -> {same key: [Check]}, computed in `jobs`
+    processes: jobs - 1 workers and this one, given `runs` ({path: open Run}), or jobs workers.
+
+    This process takes tasks from the small end of the queue while the workers take them from the large end (a
+    shared flag per task says who took it): until the worker server has started (it imports torch: seconds) the
+    work is done here, and nothing waits for it. WORKER_CPU then holds the CPU seconds of each process's tasks,
+    this one's included (benchmarks/verify_speed.py reports them)."""
+    WORKER_CPU.clear()
     if "forkserver" in multiprocessing.get_all_start_methods():
         context = multiprocessing.get_context("forkserver")
         # The server imports torch and the rules once; each worker is then a fork of it, started in milliseconds.
         context.set_forkserver_preload(["upd.replay.engine", *modules])
     else:
         context = multiprocessing.get_context("spawn")
+    runs = runs or {}
+    tasks = []  # (path, units), largest first
+    for task in batches(units, jobs):
+        by_path: dict = {}
+        for path, *unit in task:
+            by_path.setdefault(path, []).append(tuple(unit))
+        tasks += list(by_path.items())
+    claims = context.Array("b", len(tasks))
     results = {}
-    with ProcessPoolExecutor(max_workers=jobs, mp_context=context, initializer=_start,
-                             initargs=(modules,)) as pool:
-        futures = []
+    with ProcessPoolExecutor(max_workers=max(1, jobs - 1 if runs else jobs), mp_context=context,
+                             initializer=_start, initargs=(modules, claims)) as pool:
         with _main_not_rerun():  # the workers start at the first submits
-            for task in batches(units, jobs):
-                by_path: dict = {}
-                for path, opt_index, name in task:
-                    by_path.setdefault(path, []).append((opt_index, name))
-                for path, part in by_path.items():
-                    futures.append((path, part, pool.submit(_checks_of, path, part, rtol, ulps, block_elements)))
-        for path, part, future in futures:
-            for (opt_index, name), checks in zip(part, future.result()):
-                results[(path, opt_index, name)] = checks
+            futures = [pool.submit(_checks_of, i, path, part, rtol, ulps, block_elements)
+                       for i, (path, part) in enumerate(tasks)]
+        here = os.getpid()
+        for i in reversed(range(len(tasks))):  # the smallest tasks first
+            path, part = tasks[i]
+            if path not in runs or not _claim(claims, i):  # the workers have come this far
+                break
+            started = time.process_time()
+            found = checks_in(runs[path], part, rtol, ulps, block_elements)
+            WORKER_CPU[here] = WORKER_CPU.get(here, 0.0) + time.process_time() - started
+            results.update({(path, *unit): checks for unit, checks in zip(part, found)})
+        for (path, part), future in zip(tasks, futures):
+            done = future.result()
+            if done is None:  # taken here
+                continue
+            found, pid, seconds = done
+            WORKER_CPU[pid] = WORKER_CPU.get(pid, 0.0) + seconds
+            results.update({(path, *unit): checks for unit, checks in zip(part, found)})
     return results
