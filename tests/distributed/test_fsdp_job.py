@@ -181,7 +181,9 @@ def test_analyze_and_verify_take_the_job_path(fsdp_job, tmp_path):
         result = cli("verify", path)
         assert result.exit_code == EXIT_MATCH, result.output
         assert f"distributed job of {world} processes" in result.output
-        result = cli("analyze", path, "--out", str(tmp_path / opt_name))
+        # The figures once (their histograms read the stitched full records); the table for the other optimizer.
+        figures = ["--out", str(tmp_path / opt_name)] if opt_name == "adamw" else ["--no-plots"]
+        result = cli("analyze", path, *figures)
         assert result.exit_code == 0, result.output
         assert "head.weight" in result.output
     info = cli("info", job_path(folder, "adamw", "stats"))

@@ -1,7 +1,8 @@
-"""FSDP2 (torch.distributed.fsdp.fully_shard) jobs recorded on every rank, each rank file read on its own.
+"""FSDP2 (torch.distributed.fsdp.fully_shard) recorded on every rank of a job, each rank file read on its own.
 
-The jobs are real: 2 and 3 gloo processes train a 5-7-2 network whose layers shard unevenly (7 rows: 4+3 on 2
-ranks, 3+3+1 on 3) and, on 3 ranks, leave one rank without any part of the last layer (2 rows: 1+1+0). Each rank
+The job is real: 3 gloo processes train a 5-7-2 network whose layers shard unevenly (7 rows: 3+3+1) and leave one
+rank without any part of the last layer (2 rows: 1+1+0). A job of 2 processes, all of whose shards hold rows, would
+add no layout this one lacks (test_fsdp_job.py and test_tensorboard_job.py run FSDP2 on 2 processes). Each rank
 trains on its slice of a global batch; FSDP2 averages the gradients over the ranks, so the whole job computes what a
 single process computes on the whole batch with the mean loss. That single-process run, recorded in this process,
 is the reference: every stored shard equals its slice of the reference's tensors to float32 rounding (the
@@ -95,7 +96,7 @@ def references(tmp_path_factory) -> dict:
     return record_references(tmp_path_factory.mktemp("reference"), OPTIMIZERS, make_model, train)
 
 
-@pytest.fixture(scope="module", params=[2, 3], ids=["2-ranks", "3-ranks"])
+@pytest.fixture(scope="module", params=[3], ids=["3-ranks"])
 def fsdp_job(request, tmp_path_factory) -> tuple[int, str, list]:
     """(world size, folder of the jobs' files, the FSDP2 model's parameter names)."""
     world = request.param
@@ -290,6 +291,8 @@ def _as_shard_of_a_larger_tensor(path: str) -> None:
             meta.update(global_shape=[2 * meta["shape"][0], *meta["shape"][1:]], offset=[0] * len(meta["shape"]),
                         placements=["Shard(dim=0)"], mesh_shape=[2])
             grp.attrs[schema.ATTR_META] = encoding.to_json(meta)
+        # the parameter index repeats every group's metadata: without it the groups are read (else: refused)
+        del f[f"{schema.OPTIMIZERS}/0/{schema.PARAMS}"].attrs[schema.PARAM_INDEX]
 
 
 @pytest.mark.parametrize("optimizer, whole", [(torch.optim.Adafactor, True), (torch.optim.Muon, True),

@@ -6,8 +6,11 @@ code 0; with the `upd verify` command for the recipe and the torchrun job, throu
 shows, elsewhere), and the names it holds are the model's own; the plain script's output and exit status are
 compared with the recorded one's.
 """
+import contextlib
+import io
 import os
 import re
+import runpy
 import shutil
 import signal
 import subprocess
@@ -42,9 +45,26 @@ def python(name, *args):
     return [sys.executable, script(name), *args]
 
 
-def verify_cli(path) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "upd", "verify", str(path)], capture_output=True, text=True,
-                          timeout=300)
+def run_plain(name, *args) -> tuple:
+    """`python SCRIPT ARGS` without upd, run in this process (torch is imported already, a child would import it
+    again): (exit status, stdout, stderr). The script's global settings (threads, seed, argv) are restored after."""
+    out, err = io.StringIO(), io.StringIO()
+    argv, threads, status = sys.argv, torch.get_num_threads(), 0
+    sys.argv = [script(name), *args]
+    try:
+        with torch.random.fork_rng(), contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            runpy.run_path(script(name), run_name="__main__")
+    except SystemExit as exc:
+        status = exc.code if isinstance(exc.code, int) else 0 if exc.code is None else 1
+    finally:
+        sys.argv = argv
+        torch.set_num_threads(threads)
+    return status, out.getvalue(), err.getvalue()
+
+
+def verify_cli(path):
+    """`upd verify RUN`: the command itself, in this process (tests/cli runs `upd` as a process of its own)."""
+    return CliRunner().invoke(main, ["verify", str(path)])
 
 
 def param_names(path, optimizer=0) -> list:
@@ -76,11 +96,10 @@ def test_the_recipe_records_a_script_that_never_imports_upd(tmp_path):
     at = words.index("--")
     options, script_args = words[2:at], words[at + 3:]
     assert words[at + 1] == "python" and "--lr" in script_args
-    plain = subprocess.run(python("train_mlp.py", *script_args), cwd=tmp_path, capture_output=True, text=True,
-                           timeout=300)
+    plain = run_plain("train_mlp.py", *script_args)
     recorded = upd_record(options, python("train_mlp.py", *script_args), tmp_path)
-    assert (recorded.returncode, recorded.stdout, recorded.stderr) == (plain.returncode, plain.stdout, plain.stderr)
-    assert plain.returncode == 0 and plain.stdout.startswith("final loss")
+    assert (recorded.returncode, recorded.stdout, recorded.stderr) == plain
+    assert plain[0] == 0 and plain[1].startswith("final loss")
 
     path = tmp_path / options[0]
     assert param_names(path) == MLP_NAMES
@@ -93,7 +112,7 @@ def test_the_recipe_records_a_script_that_never_imports_upd(tmp_path):
         assert float(steps.filter(like="lr").iloc[0, 0]) == pytest.approx(1e-3)
     assert closed_cleanly(path)
     result = verify_cli(path)
-    assert result.returncode == 0, result.stdout + result.stderr
+    assert result.exit_code == 0, result.output
     with h5py.File(path, "r+") as f:
         after = f[schema.PARAMETER.at(schema.KIND_PARAM_AFTER, k=0, name="fc1.weight")]
         after[0] = after[0] * 1.001
@@ -179,44 +198,39 @@ def test_torchrun_ddp_job_records_one_file_per_rank(tmp_path):
         assert list(job.params()["param"]) == SEQUENTIAL_NAMES
         assert list(job.steps()["step"]) == [0, 1, 2, 3]
     checked = verify_cli(tmp_path / "ddp.h5")
-    assert checked.returncode == 0, checked.stdout + checked.stderr
-    assert "replicas compared" in checked.stdout
+    assert checked.exit_code == 0, checked.output
+    assert "replicas compared" in checked.output
 
 
 @pytest.mark.slow
-def test_spawned_workers_that_train_on_their_own_each_take_a_part(tmp_path):
+def test_spawned_workers_each_take_a_part_and_the_parent_that_never_trains_none(tmp_path):
     """torch.multiprocessing.spawn workers without a process group: the hooks reach both, each records into its own
-    part of the run (RUN, RUN.part2), and the parent, which never trains, writes nothing."""
-    result = upd_record(["sweep.h5"], python("train_workers.py"), tmp_path)
-    assert result.returncode == 0 and result.stdout == "workers done\n", result.stderr
-    assert sorted(os.listdir(tmp_path)) == ["sweep.h5", "sweep.part2.h5"]
+    part of the run (RUN, RUN.part2), and the parent, which imports torch but never makes an optimizer, writes
+    nothing. The user's own sitecustomize.py, which the launcher's bootstrap hides on PYTHONPATH, still runs in
+    each of the three processes; output and exit status are the script's."""
+    own, ran, work = tmp_path / "own_site", tmp_path / "own_site_ran", tmp_path / "work"
+    for folder in (own, ran, work):
+        folder.mkdir()
+    # Each process the command started leaves its sys.argv (`upd record` itself, before it execs, is left out: it
+    # has no request in its environment yet).
+    (own / "sitecustomize.py").write_text(
+        f"import os, sys\nif {env.ENV_VAR!r} in os.environ:\n"
+        f"    open(os.path.join({str(ran)!r}, str(os.getpid())), 'w').write(repr(sys.argv))\n")
+    result = upd_record(["sweep.h5"], python("train_workers.py"), work, env={**os.environ, "PYTHONPATH": str(own)})
+    assert (result.returncode, result.stdout, result.stderr) == (0, "workers done\n", "")
+    assert sorted(os.listdir(work)) == ["sweep.h5", "sweep.part2.h5"]
+    argvs = [(ran / pid).read_text() for pid in os.listdir(ran)]
+    assert len([a for a in argvs if "train_workers.py" in a]) == 1, argvs  # the script
+    assert len([a for a in argvs if "--multiprocessing-fork" in a]) == 2, argvs  # its workers
     learning_rates = set()
     for name in ("sweep.h5", "sweep.part2.h5"):
-        assert param_names(tmp_path / name) == ["weight", "bias"]
-        with upd.open_run(str(tmp_path / name)) as run:
+        assert param_names(work / name) == ["weight", "bias"]
+        with upd.open_run(str(work / name)) as run:
             assert list(run.steps()["step"]) == [0, 1, 2]
             learning_rates.add(round(float(run.optimizers[0].learning_rates[0, 0]), 6))
-        report = upd.verify(str(tmp_path / name))
+        report = upd.verify(str(work / name))
         assert report.exit_code == 0 and report.matched == 6, report.summary()
     assert learning_rates == {0.1, 0.2}  # one run per worker, not one worker twice
-
-
-@pytest.mark.slow
-def test_a_process_that_never_trains_leaves_no_file_and_a_hidden_sitecustomize_runs(tmp_path):
-    """A program that imports torch but creates no optimizer writes nothing; the sitecustomize.py the launcher's
-    bootstrap hides on PYTHONPATH still runs."""
-    own = tmp_path / "own_site"
-    own.mkdir()
-    marker = tmp_path / "own_site_ran"
-    (own / "sitecustomize.py").write_text(f"open({str(marker)!r}, 'w').write('ran')\n")
-    work = tmp_path / "work"
-    work.mkdir()
-    plain = subprocess.run(python("evaluate.py"), capture_output=True, text=True, timeout=300)
-    result = upd_record(["eval.h5"], python("evaluate.py"), work,
-                        env={**os.environ, "PYTHONPATH": str(own)})
-    assert (result.returncode, result.stdout, result.stderr) == (0, plain.stdout, plain.stderr)
-    assert os.listdir(work) == []
-    assert marker.read_text() == "ran"
 
 
 # -- the command line, before anything starts --------------------------------------------------------------------

@@ -17,13 +17,12 @@ after each optimizer step, with ``Recorder.log``. lightning is imported here onl
 """
 from __future__ import annotations
 
-import inspect
 import os
-import warnings
 
 import torch
 
-from ..recorder import Recorder, RecorderWarning, record
+from ..recorder import record
+from ._callback_base import RecorderCallback
 
 INSTALL_HINT = 'pip install "torch-upd[lightning]"'
 DEFAULT_FILE = "upd-run.h5"  # inside trainer.log_dir (the logger's version folder, else default_root_dir)
@@ -52,7 +51,7 @@ def batch_loss(outputs, logged: dict, automatic: bool, accumulate: int) -> torch
     return None
 
 
-class UpdCallback(_CallbackBase):
+class UpdCallback(RecorderCallback, _CallbackBase):
     """A ``lightning.pytorch.Callback`` that records the Trainer's optimizers with ``upd.record``.
 
     Args:
@@ -67,15 +66,10 @@ class UpdCallback(_CallbackBase):
     ``upd.Recorder`` of the training in progress (None before, after, or when recording could not start).
     """
 
+    FRAMEWORK, INSTALL_HINT, IMPORT_ERROR = "lightning", INSTALL_HINT, _IMPORT_ERROR
+
     def __init__(self, path=None, **record_options):
-        if _IMPORT_ERROR is not None:
-            raise ImportError(f"UpdCallback needs the lightning package, which is not installed or not usable "
-                              f"({_IMPORT_ERROR}): {INSTALL_HINT}")
-        # A misspelt option would otherwise surface only as a warning once training starts.
-        inspect.signature(Recorder).bind("path", None, None, **record_options)
-        self.path = None if path is None else os.fspath(path)
-        self.record_options = record_options
-        self.recorder: Recorder | None = None
+        super().__init__(path, **record_options)
         self._losses: list[torch.Tensor] = []  # the batches' losses since the last optimizer step
         self._global_step = 0  # trainer.global_step when the last batch ended
         self._log_losses = True  # False once Recorder.log refused a loss (warned once)
@@ -85,19 +79,14 @@ class UpdCallback(_CallbackBase):
         return self.path if self.path is not None else os.path.join(trainer.log_dir, DEFAULT_FILE)
 
     def on_train_start(self, trainer, pl_module):
-        self._close()  # an earlier fit() that raised past on_exception
-        path = self.run_path(trainer)
-        self._losses, self._global_step, self._log_losses = [], trainer.global_step, True
-        try:
+        def attach():
             if not trainer.optimizers:
                 raise TypeError("the LightningModule's configure_optimizers() returned no optimizer")
-            self.recorder = record(path, trainer.model, list(trainer.optimizers), **self.record_options)
-        except Exception as exc:  # training goes on without recording, as upd.record promises during training
-            if self.record_options.get("strict", False):
-                raise
-            warnings.warn(f"torch-upd: cannot record the Trainer's optimizers to {path} ({type(exc).__name__}: "
-                          f"{exc}); training continues without recording. Pass strict=True to raise instead.",
-                          RecorderWarning, stacklevel=2)
+            return record(path, trainer.model, list(trainer.optimizers), **self.record_options)
+
+        path = self.run_path(trainer)
+        self._start(path, "the Trainer's optimizers", attach)  # closes an earlier fit() that raised past on_exception
+        self._losses, self._global_step, self._log_losses = [], trainer.global_step, True
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
         rec = self.recorder
@@ -119,11 +108,9 @@ class UpdCallback(_CallbackBase):
             # Recorder.log reads it with the step's one host copy, no device sync here.
             rec.log(after_step=True, **{LOSS: torch.stack([loss.reshape(()) for loss in losses]).float().mean()})
         except Exception as exc:  # a loss Recorder.log refuses: the steps go on being recorded, without it
-            if self.record_options.get("strict", False):
-                raise
+            self._warn_unless_strict(exc, f"torch-upd: cannot store the training step's loss in {rec.path} "
+                                          f"({type(exc).__name__}: {exc}); the steps go on being recorded without it.")
             self._log_losses = False
-            warnings.warn(f"torch-upd: cannot store the training step's loss in {rec.path} ({type(exc).__name__}: "
-                          f"{exc}); the steps go on being recorded without it.", RecorderWarning, stacklevel=2)
 
     def on_train_end(self, trainer, pl_module):
         self._close()
@@ -132,7 +119,5 @@ class UpdCallback(_CallbackBase):
         self._close()  # the steps recorded so far stay readable, and the file is closed cleanly
 
     def _close(self) -> None:
-        rec, self.recorder = self.recorder, None
         self._losses = []
-        if rec is not None:
-            rec.close()
+        super()._close()

@@ -18,17 +18,16 @@ here only, and only this module needs it.
 """
 from __future__ import annotations
 
-import inspect
 import os
-import warnings
 
 import pandas as pd
 import torch
 
-from ..recorder import Recorder, RecorderWarning, record
+from ..recorder import record
 from ..recorder.logged_scalars import name_problem, scalar_problem
 from ..runfile import schema
 from ..runfile.reader import open_run
+from ._callback_base import RecorderCallback
 
 # Works before torch-upd itself is installed from a clone, where "torch-upd[transformers]" cannot be resolved.
 INSTALL_HINT = 'pip install transformers accelerate, or from a clone of torch-upd: pip install ".[transformers]"'
@@ -59,7 +58,7 @@ def torch_optimizer(optimizer):
     return found
 
 
-class UpdCallback(_CallbackBase):
+class UpdCallback(RecorderCallback, _CallbackBase):
     """A ``transformers.TrainerCallback`` that records the Trainer's optimizer with ``upd.record``.
 
     Args:
@@ -72,31 +71,17 @@ class UpdCallback(_CallbackBase):
     ``upd.Recorder`` of the training in progress (None before, or when recording could not start).
     """
 
-    def __init__(self, path=None, **record_options):
-        if _IMPORT_ERROR is not None:
-            raise ImportError(f"UpdCallback needs the transformers package, which is not installed or not usable "
-                              f"({_IMPORT_ERROR}): {INSTALL_HINT}")
-        # A misspelt option would otherwise surface only as a warning once training starts.
-        inspect.signature(Recorder).bind("path", None, None, **record_options)
-        self.path = None if path is None else os.fspath(path)
-        self.record_options = record_options
-        self.recorder: Recorder | None = None
+    FRAMEWORK, INSTALL_HINT, IMPORT_ERROR = "transformers", INSTALL_HINT, _IMPORT_ERROR
 
     def run_path(self, args) -> str:
         """Where this callback records for these TrainingArguments."""
         return self.path if self.path is not None else os.path.join(args.output_dir, DEFAULT_FILE)
 
     def on_train_begin(self, args, state, control, model=None, optimizer=None, **kwargs):
-        self._close()  # an earlier train() that raised never reached on_train_end
         path = self.run_path(args)
-        try:
-            self.recorder = record(path, model, torch_optimizer(optimizer), **self.record_options)
-        except Exception as exc:  # training goes on without recording, as upd.record promises during training
-            if self.record_options.get("strict", False):
-                raise
-            warnings.warn(f"torch-upd: cannot record the Trainer's optimizer to {path} ({type(exc).__name__}: "
-                          f"{exc}); training continues without recording. Pass strict=True to raise instead.",
-                          RecorderWarning, stacklevel=2)
+        # _start first closes the recorder of an earlier train() that raised, never reaching on_train_end.
+        self._start(path, "the Trainer's optimizer",
+                    lambda: record(path, model, torch_optimizer(optimizer), **self.record_options))
 
     def on_log(self, args, state, control, logs=None, **kwargs):
         rec = self.recorder
@@ -111,11 +96,6 @@ class UpdCallback(_CallbackBase):
 
     def on_train_end(self, args, state, control, **kwargs):
         self._close()
-
-    def _close(self) -> None:
-        rec, self.recorder = self.recorder, None
-        if rec is not None:
-            rec.close()
 
 
 def trainer_logs(run_or_path) -> pd.DataFrame:
