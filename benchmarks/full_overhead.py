@@ -1,7 +1,8 @@
 """Full records (every=1): how long the training thread is blocked, and how fast the writer writes, against the
 least any recorder can do with the same bytes: copy them (clone) and write them raw (numpy.tofile).
 
-    python -m benchmarks.full_overhead [--quick] [--rounds N] [--steps N] [--width W] [--dir DIR] [--json FILE]
+    python -m benchmarks.full_overhead [--quick] [--rounds N] [--steps N] [--width W] [--depth D] [--dir DIR]
+                                       [--json FILE]
 
 The loop is a wide MLP's AdamW step alone, on gradients computed once (the cheapest step there is, so what the
 recorder does dominates). Blocks of steps, round-robin in one process, the order rotated each round:
@@ -9,13 +10,18 @@ recorder does dominates). Blocks of steps, round-robin in one process, the order
 * plain: the step alone;
 * clone+tofile: after the step, a clone of what a full record holds (param, grad and state before the step, param
   after it) and numpy.tofile of those bytes into one file, on the training thread: the bare copy plus raw write;
+* clone+tofile thread: the same clones, handed to a thread that writes them with tofile behind a queue of 2 (the
+  recorder's own shape, with the least possible writer);
 * upd: ``upd.record(path, model, opt, every=1)``, the writer thread behind its queue, ``close()`` inside the block.
 
 Reported: the training thread's time blocked per step (upd's median step - plain's, same round) against
 clone+tofile's (its median step - plain's; target: at most 2x), and the writer's throughput, the bytes its thread
-wrote over the time it spent in ``RunWriter.write`` (``AsyncRunWriter.write_seconds``), against tofile's own
-throughput measured inside the clone+tofile block (target: at least 0.7x). Also the recorder end to end: the
-record bytes over the upd block's time beyond the plain block's, close() included.
+wrote over the time it spent in ``RunWriter.write`` (``AsyncRunWriter.write_seconds``), against tofile's (target: at
+least 0.7x). The fair tofile to compare with is the one on a thread: it runs while the training thread copies the
+next record, on the same cores, as the writer does; tofile on the training thread runs alone between steps (also
+reported). Both by wall clock and by the writing thread's own CPU time, per round, medians of the ratios. Also end
+to end: the record bytes over the block's time beyond the plain block's, close() included, for upd and for the
+tofile thread. ``--width 256 --depth 2`` (2.7 MB per record, more ``--steps``) shows a record's fixed cost.
 """
 from __future__ import annotations
 
@@ -23,9 +29,11 @@ import argparse
 import gc
 import json
 import os
+import queue
 import shutil
 import statistics
 import tempfile
+import threading
 import time
 import warnings
 
@@ -68,65 +76,91 @@ class StepLoop:
         return out
 
 
-def block_plain(loop: StepLoop, steps: int, path: str) -> dict:
+def timed_steps(steps: int, step) -> dict:
+    """Wall and thread-CPU time of each of `steps` calls of step() (medians), and the block's total wall time."""
     times, cpu = [], []
     t0 = time.perf_counter()
     for _ in range(steps):
         t, c = time.perf_counter(), time.thread_time()
-        loop.opt.step()
+        step()
         times.append(time.perf_counter() - t)
         cpu.append(time.thread_time() - c)
     return {"median": median(times), "cpu": median(cpu), "total": time.perf_counter() - t0}
 
 
+def block_plain(loop: StepLoop, steps: int, path: str) -> dict:
+    return timed_steps(steps, loop.opt.step)
+
+
+def cloned_step(loop: StepLoop) -> list:
+    """The step with the copies a full record takes: everything it holds before the step, the params after it."""
+    copies = [t.clone() for t in loop.record_tensors()]
+    loop.opt.step()
+    return copies + [p.detach().clone() for p in loop.params]
+
+
 def block_clone_tofile(loop: StepLoop, steps: int, path: str) -> dict:
-    times, cpu, write, write_cpu = [], [], 0.0, 0.0
-    t0 = time.perf_counter()
+    written = {"wall": 0.0, "cpu": 0.0}
     with open(path, "wb") as f:
-        for _ in range(steps):
-            t, c = time.perf_counter(), time.thread_time()
-            copies = [t_.clone() for t_ in loop.record_tensors()]
-            loop.opt.step()
-            copies += [p.detach().clone() for p in loop.params]
+        def step():
+            copies = cloned_step(loop)
             w, wc = time.perf_counter(), time.thread_time()
             for x in copies:
                 x.numpy().tofile(f)
-            write += time.perf_counter() - w
-            write_cpu += time.thread_time() - wc
-            times.append(time.perf_counter() - t)
-            cpu.append(time.thread_time() - c)
-            del copies
+            written["wall"] += time.perf_counter() - w
+            written["cpu"] += time.thread_time() - wc
+
+        out = timed_steps(steps, step)
         f.flush()
-    return {"median": median(times), "cpu": median(cpu), "total": time.perf_counter() - t0, "write": write,
-            "write_cpu": write_cpu}
+    return {**out, "write": written["wall"], "write_cpu": written["cpu"]}
+
+
+def block_clone_tofile_thread(loop: StepLoop, steps: int, path: str) -> dict:
+    """The same copies, handed to a thread that writes them with tofile behind a queue of 2: the recorder's shape
+    with the least possible writer, so that its throughput is measured under the same load as upd's writer."""
+    pending: queue.Queue = queue.Queue(maxsize=2)
+    written = {"wall": 0.0, "cpu": 0.0}
+
+    def write_all():
+        with open(path, "wb") as f:
+            while (copies := pending.get()) is not None:
+                w, wc = time.perf_counter(), time.thread_time()
+                for x in copies:
+                    x.numpy().tofile(f)
+                written["wall"] += time.perf_counter() - w
+                written["cpu"] += time.thread_time() - wc
+                copies = None
+
+    thread = threading.Thread(target=write_all)
+    thread.start()
+    t0 = time.perf_counter()
+    out = timed_steps(steps, lambda: pending.put(cloned_step(loop)))
+    pending.put(None)
+    thread.join()
+    return {**out, "total": time.perf_counter() - t0, "write": written["wall"], "write_cpu": written["cpu"]}
 
 
 def block_upd(loop: StepLoop, steps: int, path: str) -> dict:
     rec = upd.record(path, loop.model, loop.opt, every=1, overwrite=True)
     clock = time.pthread_getcpuclockid(rec._writer._thread.ident)
     writer_cpu = time.clock_gettime(clock)
-    times, cpu = [], []
     t0 = time.perf_counter()
-    for _ in range(steps):
-        t, c = time.perf_counter(), time.thread_time()
-        loop.opt.step()
-        times.append(time.perf_counter() - t)
-        cpu.append(time.thread_time() - c)
+    out = timed_steps(steps, loop.opt.step)
     blocked = getattr(rec._writer, "blocked_seconds", float("nan"))
     while rec._writer.records_written < steps and rec._writer.error is None:  # the writer thread catches up
         time.sleep(0.001)
     writer_cpu = time.clock_gettime(clock) - writer_cpu
     rec.close()
-    total = time.perf_counter() - t0
+    out["total"] = time.perf_counter() - t0  # close() included: the writer's backlog counts
     if rec.error is not None:
         raise RuntimeError(f"the recorder stopped: {rec.error!r}")
     writer = rec._writer
-    return {"median": median(times), "cpu": median(cpu), "total": total, "queue_wait": blocked,
-            "writer_bytes": getattr(writer, "bytes_written", 0), "writer_seconds": getattr(writer, "write_seconds", 0),
-            "writer_cpu": writer_cpu}
+    return {**out, "queue_wait": blocked, "writer_bytes": getattr(writer, "bytes_written", 0),
+            "writer_seconds": getattr(writer, "write_seconds", 0), "writer_cpu": writer_cpu}
 
 
-BLOCKS = {"plain": block_plain, "clone+tofile": block_clone_tofile, "upd": block_upd}
+BLOCKS = {"plain": block_plain, "clone+tofile": block_clone_tofile,
+          "clone+tofile thread": block_clone_tofile_thread, "upd": block_upd}
 
 
 def main() -> None:
@@ -166,28 +200,45 @@ def main() -> None:
         shutil.rmtree(workdir, ignore_errors=True)
     nbytes = loop.nbytes
     rounds = range(args.rounds)
-    blocked = [res["upd"][i]["median"] - res["plain"][i]["median"] for i in rounds]
-    bare = [res["clone+tofile"][i]["median"] - res["plain"][i]["median"] for i in rounds]
-    end_to_end = [nbytes * args.steps / max(1e-9, res["upd"][i]["total"] - res["plain"][i]["total"]) for i in rounds]
+
+    def per_round(fn):
+        return [fn(res["plain"][i], res["clone+tofile"][i], res["clone+tofile thread"][i], res["upd"][i])
+                for i in rounds]
+
+    written = nbytes * args.steps
+    blocked = per_round(lambda plain, bare, thread, u: u["median"] - plain["median"])
+    bare = per_round(lambda plain, bare, thread, u: bare["median"] - plain["median"])
+    blocked_cpu = per_round(lambda plain, bare, thread, u: u["cpu"] - plain["cpu"])
+    bare_cpu = per_round(lambda plain, bare, thread, u: bare["cpu"] - plain["cpu"])
+    # Throughputs: bytes over the writing thread's own time writing them (wall, then its CPU time).
     writer = [x["writer_bytes"] / max(1e-9, x["writer_seconds"]) for x in res["upd"]]
-    tofile = [nbytes * args.steps / res["clone+tofile"][i]["write"] for i in rounds]
     writer_cpu = [x["writer_bytes"] / max(1e-9, x["writer_cpu"]) for x in res["upd"]]
-    tofile_cpu = [nbytes * args.steps / res["clone+tofile"][i]["write_cpu"] for i in rounds]
-    blocked_cpu = [res["upd"][i]["cpu"] - res["plain"][i]["cpu"] for i in rounds]
-    bare_cpu = [res["clone+tofile"][i]["cpu"] - res["plain"][i]["cpu"] for i in rounds]
+    tofile = [written / x["write"] for x in res["clone+tofile"]]
+    tofile_cpu = [written / x["write_cpu"] for x in res["clone+tofile"]]
+    thread = [written / x["write"] for x in res["clone+tofile thread"]]
+    thread_cpu = [written / x["write_cpu"] for x in res["clone+tofile thread"]]
+    # End to end: the record bytes over the block's time beyond the plain block's (the writer's backlog included).
+    end_to_end = per_round(lambda plain, bare, thread, u: written / max(1e-9, u["total"] - plain["total"]))
+    thread_end_to_end = per_round(lambda plain, bare, thread, u: written / max(1e-9, thread["total"] - plain["total"]))
+
+    def ratio(xs, ys):
+        return median([x / y for x, y in zip(xs, ys)])
+
     out = {
         "desc": loop.desc, "rounds": args.rounds, "steps": args.steps, "record_bytes": nbytes,
         "plain_ms": median([x["median"] for x in res["plain"]]) * 1e3,
         "blocked_ms": median(blocked) * 1e3, "bare_ms": median(bare) * 1e3,
-        "blocked_vs_bare": median([b / a for a, b in zip(bare, blocked)]),
-        "queue_wait_ms_per_step": median([x["queue_wait"] for x in res["upd"]]) / args.steps * 1e3,
-        "writer_mb_s": median(writer) / MB, "tofile_mb_s": median(tofile) / MB,
-        "end_to_end_mb_s": median(end_to_end) / MB,
+        "blocked_vs_bare": ratio(blocked, bare),
         "blocked_cpu_ms": median(blocked_cpu) * 1e3, "bare_cpu_ms": median(bare_cpu) * 1e3,
-        "blocked_vs_bare_cpu": median([b / a for a, b in zip(bare_cpu, blocked_cpu)]),
-        "writer_cpu_mb_s": median(writer_cpu) / MB, "tofile_cpu_mb_s": median(tofile_cpu) / MB,
-        "writer_vs_tofile_cpu": median([w / t for w, t in zip(writer_cpu, tofile_cpu)]),
-        "writer_vs_tofile": median([w / t for w, t in zip(writer, tofile)]),
+        "blocked_vs_bare_cpu": ratio(blocked_cpu, bare_cpu),
+        "queue_wait_ms_per_step": median([x["queue_wait"] for x in res["upd"]]) / args.steps * 1e3,
+        "writer_mb_s": median(writer) / MB, "writer_cpu_mb_s": median(writer_cpu) / MB,
+        "thread_tofile_mb_s": median(thread) / MB, "thread_tofile_cpu_mb_s": median(thread_cpu) / MB,
+        "tofile_mb_s": median(tofile) / MB, "tofile_cpu_mb_s": median(tofile_cpu) / MB,
+        "writer_vs_thread_tofile": ratio(writer, thread), "writer_vs_thread_tofile_cpu": ratio(writer_cpu, thread_cpu),
+        "writer_vs_tofile": ratio(writer, tofile), "writer_vs_tofile_cpu": ratio(writer_cpu, tofile_cpu),
+        "end_to_end_mb_s": median(end_to_end) / MB, "thread_end_to_end_mb_s": median(thread_end_to_end) / MB,
+        "end_to_end_vs_thread": ratio(end_to_end, thread_end_to_end),
         "load_average": [load_start, os.getloadavg()[0]],
     }
     print(f"""
@@ -201,10 +252,18 @@ def main() -> None:
 | of which waiting for queue space (per step) | {out['queue_wait_ms_per_step']:.1f} ms | |
 | **blocked / (clone + tofile)** (target <= 2) | **{out['blocked_vs_bare']:.2f}** | \
 **{out['blocked_vs_bare_cpu']:.2f}** |
-| writer thread: bytes written / its time writing | {out['writer_mb_s']:.0f} MB/s | {out['writer_cpu_mb_s']:.0f} MB/s |
-| recorder end to end: record bytes / (upd block incl. close - plain block) | {out['end_to_end_mb_s']:.0f} MB/s | |
-| numpy.tofile inside the clone+tofile block | {out['tofile_mb_s']:.0f} MB/s | {out['tofile_cpu_mb_s']:.0f} MB/s |
-| **writer / tofile** (target >= 0.7) | **{out['writer_vs_tofile']:.2f}** | **{out['writer_vs_tofile_cpu']:.2f}** |
+| upd's writer thread: bytes written / its time writing | {out['writer_mb_s']:.0f} MB/s | \
+{out['writer_cpu_mb_s']:.0f} MB/s |
+| tofile on a thread behind a queue of 2, while training (same load as the writer) | \
+{out['thread_tofile_mb_s']:.0f} MB/s | {out['thread_tofile_cpu_mb_s']:.0f} MB/s |
+| **writer / tofile on a thread** (target >= 0.7) | **{out['writer_vs_thread_tofile']:.2f}** | \
+**{out['writer_vs_thread_tofile_cpu']:.2f}** |
+| tofile on the training thread, alone between steps | {out['tofile_mb_s']:.0f} MB/s | \
+{out['tofile_cpu_mb_s']:.0f} MB/s |
+| writer / tofile alone | {out['writer_vs_tofile']:.2f} | {out['writer_vs_tofile_cpu']:.2f} |
+| end to end, record bytes / (block incl. close - plain block): upd; tofile thread | \
+{out['end_to_end_mb_s']:.0f}; {out['thread_end_to_end_mb_s']:.0f} MB/s | |
+| end to end: upd / tofile thread | {out['end_to_end_vs_thread']:.2f} | |
 
 load average (1 min) {out['load_average'][0]:.2f} at start, {out['load_average'][1]:.2f} at end""")
     if args.json:

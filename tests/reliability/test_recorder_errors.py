@@ -11,6 +11,7 @@ import torch
 
 import upd
 from upd.runfile import schema
+from upd.runfile.full_rows import Rows
 from upd.runfile.writer import RunWriter
 from tests.harness.training import assert_same_params, mlp, no_hooks_left, train
 
@@ -57,17 +58,17 @@ def test_write_error_warns_once_and_training_continues(tmp_path, monkeypatch):
 
 def test_error_in_the_middle_of_a_record_leaves_only_committed_records(tmp_path, monkeypatch):
     path = tmp_path / "partial.h5"
-    real = RunWriter._write_tensor
+    real = Rows.write_tensor
     calls = {"n": 0}
     per_record = 4 * 3  # SGD without momentum: param, grad, param_after for each of the 4 params
 
-    def write_tensor(self, ds, row, tensor):
+    def write_tensor(self, row, tensor):
         calls["n"] += 1
         if calls["n"] == 2 * per_record + 5:  # record 2, second parameter: some of its rows are on disk
             raise OSError("No space left on device")
-        return real(self, ds, row, tensor)
+        return real(self, row, tensor)
 
-    monkeypatch.setattr(RunWriter, "_write_tensor", write_tensor)
+    monkeypatch.setattr(Rows, "write_tensor", write_tensor)
     model = mlp(seed=15)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     with pytest.warns(upd.RecorderWarning, match="No space left on device"):

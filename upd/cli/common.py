@@ -7,7 +7,7 @@ import sys
 import click
 
 from ..outputs import OutputError
-from ..replay.engine import EXIT_UNUSABLE
+from ..exit_codes import EXIT_UNUSABLE
 from ..runfile.reader import RunFileError
 from ..safe_text import terminal_safe
 

@@ -3,21 +3,31 @@
 Each command lives in its own module of this package; this one builds the group and registers them."""
 from __future__ import annotations
 
+import importlib
 import signal
 
 import click
 
 from .. import __version__
-from .analyze import analyze
 from .common import EXIT_CODES, ErrorLineGroup
-from .compare import compare
-from .demo import demo
-from .info import info
-from .record import record
-from .verify import verify
+
+# Each command's module, imported when the command runs (or --help lists it): `upd info` then imports neither the
+# replay engine nor the recorder, nor torch with them.
+COMMANDS = {"info": ".info", "analyze": ".analyze", "verify": ".verify", "demo": ".demo", "record": ".record",
+            "compare": ".compare"}
 
 
-@click.group(cls=ErrorLineGroup, epilog=EXIT_CODES, context_settings={"help_option_names": ["-h", "--help"]})
+class _CommandsWhenUsed(ErrorLineGroup):
+    def list_commands(self, ctx):
+        return sorted(COMMANDS)
+
+    def get_command(self, ctx, name):
+        if name not in COMMANDS:
+            return None
+        return getattr(importlib.import_module(COMMANDS[name], __package__), name)
+
+
+@click.group(cls=_CommandsWhenUsed, epilog=EXIT_CODES, context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(__version__, prog_name="upd")
 def main():
     """torch-upd: see what your PyTorch optimizer does.
@@ -36,10 +46,6 @@ def main():
     record committed so far (see docs/format.md, "Live reading"). RUN may also be the path a distributed job was
     recorded to: the commands then read every rank's file as one job (docs/distributed.md).
     """
-
-
-for _command in (info, analyze, verify, demo, record, compare):
-    main.add_command(_command)
 
 
 def run() -> None:

@@ -5,10 +5,18 @@ Nothing outside this package names an HDF5 group, dataset or attribute: ask ``sc
 - ``schema``: the layout, declared once (docs/format.md states the same); ``encoding``: JSON and dtypes;
 - writing: ``record`` (the writer's input), ``writer``, ``async_writer``; ``livelock`` (reading while writing);
 - reading: ``errors`` (RunFileError, the I/O edge), ``guards`` (HDF5 byte-level checks), ``validate`` (structure
-  checks against the schema), ``reader`` (Run, OptimizerRun, ParamRecord), ``stats_table``;
+  checks against the schema), ``reader`` (Run, OptimizerRun, ParamRecord), ``param_index`` (every parameter listed
+  in one attribute, written at close), ``stats_table``;
 - a distributed job: ``ranks`` (which file each rank writes), ``job`` (Job: the rank files read as one run).
 """
-from .job import Job
 from .reader import OptimizerRun, ParamRecord, Run, RunFileError, open_run
 
 __all__ = ["Run", "Job", "OptimizerRun", "ParamRecord", "RunFileError", "open_run"]
+
+
+def __getattr__(name: str):
+    if name == "Job":  # imported when used: job.py imports torch, which reading one file never needs
+        from .job import Job
+
+        return Job
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -7,12 +7,15 @@ from __future__ import annotations
 import functools
 import json
 import math
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
-import torch
 
 from .schema import MAX_META_BYTES
+
+if TYPE_CHECKING:
+    import torch
+# torch is imported by the functions that use it: reading a run's JSON and listing it (`upd info`) needs no torch.
 
 
 def to_json(obj: Any) -> str:
@@ -39,6 +42,8 @@ def jsonable(value: Any) -> Any:
         return value
     if isinstance(value, float):
         return value
+    import torch
+
     if isinstance(value, torch.Tensor):
         data = value.detach().cpu()
         return {"tensor": data.double().tolist() if data.is_floating_point() else data.tolist(),
@@ -85,6 +90,8 @@ def numpy_dtype_of(torch_dtype_name: str) -> np.dtype | None:
     """The numpy dtype a tensor of this torch dtype is stored as (uint16 for bfloat16, its raw bits); None when the
     name is no torch dtype or has no numpy counterpart. Names come from files too: only torch's dtypes are looked up.
     """
+    import torch
+
     target = getattr(torch, torch_dtype_name, None) if torch_dtype_name.isidentifier() else None
     if not isinstance(target, torch.dtype):
         return None
@@ -98,6 +105,8 @@ def numpy_dtype_of(torch_dtype_name: str) -> np.dtype | None:
 
 def storage_numpy_dtype(torch_dtype: torch.dtype, storage: str) -> tuple[np.dtype, str]:
     """(numpy dtype on disk, torch dtype name it represents) for a tensor of torch_dtype under a storage choice."""
+    import torch
+
     if storage == "keep" or not torch_dtype.is_floating_point:
         target = torch_dtype
     else:
@@ -124,8 +133,11 @@ def state_storage_dtype(tensor: torch.Tensor, storage: str) -> str:
 
 def tensor_to_numpy(tensor: torch.Tensor, torch_dtype_name: str) -> np.ndarray:
     """CPU tensor -> numpy array in the storage encoding named by torch_dtype_name."""
+    import torch
+
     target = getattr(torch, torch_dtype_name)
-    tensor = tensor.to(target)
+    if tensor.dtype != target:  # (a no-op .to() still costs a dispatch, per tensor and record)
+        tensor = tensor.to(target)
     if target == torch.bfloat16:
         return tensor.view(torch.uint16).numpy()
     return tensor.numpy()
@@ -133,6 +145,8 @@ def tensor_to_numpy(tensor: torch.Tensor, torch_dtype_name: str) -> np.ndarray:
 
 def numpy_to_tensor(array: np.ndarray, torch_dtype_name: str) -> torch.Tensor:
     """Inverse of tensor_to_numpy."""
+    import torch
+
     array = np.ascontiguousarray(array)
     if torch_dtype_name == "bfloat16":
         return torch.from_numpy(array.view(np.uint16).copy()).view(torch.bfloat16)
@@ -144,6 +158,8 @@ def class_path(cls: type | str) -> str:
     ``torch.optim.<name>`` is that class), else ``module.QualifiedName``. A string is taken as already named."""
     if isinstance(cls, str):
         return cls
+    import torch
+
     public = getattr(torch.optim, cls.__name__, None)
     return f"torch.optim.{cls.__name__}" if public is cls else defining_path(cls)
 

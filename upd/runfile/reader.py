@@ -8,24 +8,26 @@ is a RunFileError of one line.
 from __future__ import annotations
 
 import difflib
+import functools
 import os
 import warnings
 from functools import cached_property
-from typing import Iterator
+from typing import TYPE_CHECKING, Iterator
 
 import h5py
 import numpy as np
 import pandas as pd
-import torch
 
 from .. import lifetime
-from . import encoding, livelock, schema, validate
-from ..analyzer.ratio_table import ratios_table
+from . import encoding, livelock, param_index, schema, validate
 from .errors import Reading, RunFileError, phrase
 from .guards import GuardedFile
 from .scalars_table import KEY_COLUMNS as SCALAR_KEY_COLUMNS, scalars_frame
 from .stats_table import committed_stats_rows, stats_frame, stats_param_meta
 from .validate import Validator, check_path, json_value, link_type
+
+if TYPE_CHECKING:
+    import torch
 
 __all__ = ["Run", "OptimizerRun", "ParamRecord", "RunFileError", "open_run"]
 
@@ -33,6 +35,9 @@ __all__ = ["Run", "OptimizerRun", "ParamRecord", "RunFileError", "open_run"]
 DEFAULT_BLOCK_BYTES = 64 * 1024 * 1024
 # HDF5's metadata cache of an open run (object headers, group indexes): see _bound_metadata_cache.
 METADATA_CACHE_BYTES = 4 * 1024 * 1024
+# Parameters whose datasets a run keeps open for read_part (Run._handles_of): an open dataset costs HDF5 about 70 KB,
+# and a pass over every parameter of a 5,000-parameter run kept 15,000 of them open (1.7 GB).
+KEPT_OPEN_PARAMS = 2
 
 DUMP_COLUMNS = ["optimizer", "reason", "trigger_step", "steps", "wall_time"]
 
@@ -106,31 +111,77 @@ class ParamHistory:
 class ParamRecord(ParamHistory):
     """One parameter's recorded history inside one optimizer."""
 
-    def __init__(self, optimizer: "OptimizerRun", name: str, group: h5py.Group, check: Validator | None = None):
+    def __init__(self, optimizer: "OptimizerRun", name: str, group, check: Validator | None = None,
+                 listed: param_index.Listed | None = None):
+        """group: the parameter's h5py group; or, with `listed` (its entry in the parameter index), a function that
+        opens it, called when the parameter's data is first read (listing it reads nothing of its group)."""
         self.optimizer = optimizer
         self.name = name
-        self._group = group
-        check = check or optimizer.run._validator()
-        where = f"parameter {name!r} of optimizer {optimizer.index}"
-        self.meta = validate.param_meta(check, group, where)
-        with check.reading(where):
-            links = validate.link_types(group)  # one pass over the group's links serves every lookup below
-        records = validate.record_index(check, group, where, links)
-        # Rows whose record was never committed (a crash mid-record) do not exist for readers.
-        self.records = records[records < optimizer.num_records]
+        self._check = check or optimizer.run._validator()
+        self._where = f"parameter {name!r} of optimizer {optimizer.index}"
+        self._listed = listed
+        self.meta = validate.param_meta(self._check, group, self._where) if listed is None else listed.meta
         self.shape = tuple(int(d) for d in self.meta.get("shape") or ())
         self.dtype = self.meta.get("dtype")
         self.param_group = self.meta.get("group")
         if self.param_group is not None:
             self.param_group = int(self.param_group)
+        if listed is None:
+            self._group = group
+            self.records, self._storage = self._load(group)
+            self._num_rows = len(self.records)
+        else:
+            self._open_group, self._num_rows = group, listed.rows
+
+    def _load(self, group: h5py.Group) -> tuple[np.ndarray, validate.ParamDatasets]:
+        """(committed record of each row, {kind: storage dtype}) from the parameter's group."""
+        check, where = self._check, self._where
+        with check.reading(where):
+            links = validate.link_types(group)  # one pass over the group's links serves every lookup below
+        records = validate.record_index(check, group, where, links)
+        # Rows whose record was never committed (a crash mid-record) do not exist for readers.
+        records = records[records < self.optimizer.num_records]
         # {kind: storage dtype}, its datasets checked at the first read (validate.ParamDatasets: opening stays cheap)
-        self._storage = validate.ParamDatasets(check, group, where, self.shape, self.num_rows, links)
-        self._state_keys, self._state_dtypes = self._storage.state_keys, self._storage.state_dtypes
+        storage = validate.ParamDatasets(check, group, where, self.shape, len(records), links,
+                                         None if self._listed is None else self._listed.kinds)
+        return records, storage
+
+    def _open_listed(self) -> None:
+        """Open a parameter listed by the parameter index, and check its group against the listing: what was shown
+        from the index is what its data is read as, or the file is refused."""
+        group = self._open_group()
+        listed = self._listed
+        meta = validate.param_meta(self._check, group, self._where)
+        records, storage = self._load(group)
+        problem = ("its metadata differs from the index's" if meta != listed.meta else
+                   param_index.disagreement(listed, len(records), list(storage), storage.state_keys))
+        if problem:
+            raise self._check.fail(self._where, f"{problem} (the parameter index of optimizer "
+                                                f"{self.optimizer.index} does not describe this file)")
+        self.__dict__.update(_group=group, records=records, _storage=storage)
+
+    # A parameter listed by the parameter index opens its group at the first of these (see _open_listed); one read
+    # from its group has them from the start.
+    @cached_property
+    def _group(self) -> h5py.Group:
+        self._open_listed()
+        return self.__dict__["_group"]
+
+    @cached_property
+    def records(self) -> np.ndarray:
+        """The committed record (row of the optimizer's record table) each row belongs to."""
+        self._open_listed()
+        return self.__dict__["records"]
+
+    @cached_property
+    def _storage(self) -> validate.ParamDatasets:
+        self._open_listed()
+        return self.__dict__["_storage"]
 
     @property
     def num_rows(self) -> int:
         """Rows stored (one per committed record that holds this parameter); index them with ``read``."""
-        return len(self.records)
+        return self._num_rows
 
     @property
     def rows(self) -> int:
@@ -143,11 +194,12 @@ class ParamRecord(ParamHistory):
 
     @property
     def kinds(self) -> list[str]:
-        return [k for k in schema.TENSOR_KINDS if k in self._storage]
+        found = self._storage if self._listed is None else self._listed.kinds
+        return [k for k in schema.TENSOR_KINDS if k in found]
 
     @cached_property
     def state_keys(self) -> list[str]:
-        return list(self._state_keys)
+        return list(self._storage.state_keys if self._listed is None else self._listed.state_keys)
 
     def _reading(self, what: str) -> Reading:
         return Reading(self.optimizer.run.path,
@@ -209,7 +261,7 @@ class ParamRecord(ParamHistory):
                         raise RunFileError(f"{self.optimizer.run.path}: state {key!r} of parameter {self.name!r} "
                                            f"(optimizer {self.optimizer.index}) is marked present at row {row} but "
                                            f"has only {ds.shape[0]} rows")
-                    out[key] = self._decode(ds, row, self._state_dtypes.get(key))
+                    out[key] = self._decode(ds, row, self._storage.state_dtypes.get(key))
         return out
 
     def read_part(self, kind: str, rows: slice, elements: tuple = ()) -> torch.Tensor:
@@ -220,15 +272,17 @@ class ParamRecord(ParamHistory):
         rows = slice(rows.start, min(rows.stop, ds.shape[0]))  # a state dataset may hold fewer rows: fewer come back
         with self._reading(f"{kind!r} rows {_rows_text(rows)}"):
             array = ds[(rows, *elements)]
+        import torch  # here, not at the top: listing a run (`upd info`) needs no torch
+
         tensor = torch.from_numpy(np.ascontiguousarray(array.view(np.uint16) if dtype == "bfloat16" else array))
         return tensor.view(torch.bfloat16) if dtype == "bfloat16" else tensor
 
     def _handle(self, kind: str):
         """(dataset, stored torch dtype) of `kind`, looked up once."""
-        handles = self.__dict__.setdefault("_handles", {})
+        handles = self.optimizer.run._handles_of(self)
         if kind not in handles:
             state_key = kind[len(schema.STATE_GROUP) + 1:] if kind.startswith(schema.STATE_GROUP + "/") else None
-            dtype = (self._state_dtypes.get(state_key) if state_key is not None else
+            dtype = (self._storage.state_dtypes.get(state_key) if state_key is not None else
                      self._storage[kind] if kind in self._storage else self._checked(kind))
             with self._reading(repr(kind)):
                 handles[kind] = (self._group[kind], dtype or "float32")
@@ -242,7 +296,7 @@ class ParamRecord(ParamHistory):
         """(rows, state keys) bool: which state keys were stored at each of `rows` (rows past the mask: False)."""
         out = np.zeros((rows.stop - rows.start, len(self.state_keys)), bool)
         if self.state_keys:
-            handles = self.__dict__.setdefault("_handles", {})
+            handles = self.optimizer.run._handles_of(self)
             with self._reading(f"state presence rows {_rows_text(rows)}"):
                 ds = handles.get(schema.STATE_PRESENT) or handles.setdefault(schema.STATE_PRESENT,
                                                                              self._group[schema.STATE_PRESENT])
@@ -255,9 +309,11 @@ class ParamRecord(ParamHistory):
         ``state_at`` returns with shape (1,)); None when it was never stored."""
         with self._reading(f"the shape of state {key!r}"):
             state = self._group[schema.STATE_GROUP]
-            return tuple(state[key].shape[1:]) if key in self._state_keys and key in state else None
+            return tuple(state[key].shape[1:]) if key in self.state_keys and key in state else None
 
     def storage_dtype(self, kind: str = schema.KIND_PARAM) -> str | None:
+        if self._listed is not None and kind in schema.TENSOR_KINDS:  # as listed: checked when the data is read
+            return self._listed.kinds.get(kind)
         if kind in self._storage:
             return self._storage.dtype_of(kind)
         return self._checked(kind) if self._has(kind) else None
@@ -322,14 +378,40 @@ class OptimizerRun:
         names = check.members(params, at)
         with check.reading(at):
             links = validate.link_types(params)
-        records = [ParamRecord(self, schema.param_name(key),  # the name as recorded ('/' is escaped in the file)
-                               check.child(params, key, f"{where}: parameter {key!r}", h5py.Group, links=links), check)
-                   for key in names]
+        listing = self._param_index(check, params, names, at)
+        if listing is None:  # every parameter read from its group
+            records = [ParamRecord(self, schema.param_name(key),  # the name as recorded ('/' is escaped in the file)
+                                   check.child(params, key, f"{where}: parameter {key!r}", h5py.Group, links=links),
+                                   check) for key in names]
+        else:  # listed from the index; a parameter's group is opened (and checked) when its data is first read
+            records = []
+            for key in names:
+                at_key = f"{where}: parameter {key!r}"
+                check.hard_link(links.get(key.encode("utf-8")), at_key)
+                records.append(ParamRecord(self, schema.param_name(key),
+                                           functools.partial(check.child, params, key, at_key, h5py.Group,
+                                                             links=links), check, listed=listing[key]))
         validate.param_groups(check, records, self.learning_rates.shape[1], where)
         # HDF5 lists names alphabetically (layers.10 before layers.3); show them in the optimizer's order.
         records.sort(key=lambda p: (p.param_group or 0, p.meta.get("index_in_group") or 0))
         self.param_records: dict[str, ParamRecord] = {p.name: p for p in records}
         validate.stats_table(check, group, where)  # the per-step statistics table (stats_table reads it)
+
+    def _param_index(self, check: Validator, params: h5py.Group, names: list, where: str) -> dict | None:
+        """{group name: its entry} from the parameter index (param_index.py), or None when there is none or it
+        cannot be used as a whole: the parameters are then read from their groups (``param_index_problem`` says
+        why)."""
+        try:
+            value = check.json_attr(params, schema.PARAM_INDEX, where, required=False)
+        except RunFileError as exc:  # unreadable text, a string longer than any run holds: ignored
+            self.param_index_problem = str(exc)
+            return None
+        if value is None:
+            self.param_index_problem = "no parameter index"
+            return None
+        found = param_index.parse(value, self.num_records, set(names), validate.meta_problem)
+        self.param_index_problem = found if isinstance(found, str) else None
+        return None if isinstance(found, str) else found
 
     def _reading(self, what: str) -> Reading:
         return Reading(self.run.path, f"{what} of optimizer {self.index}", getattr(self.run, "_raw", None))
@@ -503,6 +585,17 @@ class Run(RunReader):
     def _reading(self, what: str) -> Reading:
         return Reading(self.path, what, getattr(self, "_raw", None))
 
+    def _handles_of(self, param: ParamRecord) -> dict:
+        """{kind: (dataset, stored dtype)} kept open for `param` (ParamRecord.read_part: many small reads of one
+        parameter pay no lookup), for the last KEPT_OPEN_PARAMS parameters read only: a pass over every parameter
+        then holds a few datasets open, not all of them."""
+        kept = self.__dict__.setdefault("_kept_handles", {})  # id(param) -> its handles, least recently used first
+        handles = kept.pop(id(param), None)
+        kept[id(param)] = {} if handles is None else handles
+        while len(kept) > KEPT_OPEN_PARAMS:
+            kept.pop(next(iter(kept)))
+        return kept[id(param)]
+
     def _validator(self) -> Validator:
         return Validator(self.path, self.size_bytes, getattr(self, "_raw", None))
 
@@ -581,6 +674,8 @@ class Run(RunReader):
         loaded whole); "stats" reads the per-step statistics table; "auto" (default) uses, per optimizer, whichever
         covers more steps (statistics every step beat full tensors every 500th).
         """
+        from ..analyzer.ratio_table import ratios_table  # imports torch, which listing a run does not need
+
         with self._reading("the statistics table"):
             stats_rows = {opt.index: committed_stats_rows(opt) for opt in self.optimizers}
 

@@ -82,6 +82,10 @@ STATE_GROUP = "state"  # optimizer state before the step, one dataset per state 
 STATE_KEYS = "keys"  # attribute of the state group: JSON list of the keys, in state_present's column order
 STATE_PRESENT = "state_present"  # (rows, keys) uint8 mask: was this state key present at this row
 RECORD_INDEX = "record"  # (rows,) which record of the optimizer each row belongs to
+PARAM_INDEX = "index"  # attribute of an optimizer's params group: every parameter's listing (param_index.py)
+# Its members: the committed records it describes and one entry per parameter group, with these fields.
+INDEX_RECORDS, INDEX_PARAMS = "records", "params"
+INDEX_KEY, INDEX_META, INDEX_ROWS, INDEX_KINDS, INDEX_STATE_KEYS = "key", "meta", "rows", "kinds", "state_keys"
 
 # Attributes of every tensor dataset.
 ATTR_TORCH_DTYPE = "torch_dtype"  # the dtype of the stored values (bfloat16 is stored as raw uint16 bits)
@@ -233,7 +237,7 @@ RECORD_TABLE = Group(
     ),
 )
 
-PARAMS_GROUP = Group(f"/{OPTIMIZERS}/{{k}}/{PARAMS}")
+PARAMS_GROUP = Group(f"/{OPTIMIZERS}/{{k}}/{PARAMS}", attrs=(Attr(PARAM_INDEX, "JSON object", required=False),))
 
 # N: rows of this parameter (one per committed record that holds it); S: state keys (grows as keys appear).
 PARAMETER = Group(

@@ -142,14 +142,19 @@ class Validator:
                 if required:
                     raise self.fail(where, "missing")
                 return None
-            if link != h5py.h5l.TYPE_HARD:  # never followed: an external link opens another file, soft links loop
-                raise self.fail(where, f"is a {_LINK_NAMES.get(link, 'link')}; a run file holds its data itself")
+            self.hard_link(link, where)
             obj = self._open(group, name)
         if not isinstance(obj, kind):
             found = "group" if isinstance(obj, h5py.Group) else "dataset" if isinstance(obj, h5py.Dataset) \
                 else type(obj).__name__
             raise self.fail(where, f"is a {found}, expected a {'group' if kind is h5py.Group else 'dataset'}")
         return obj
+
+    def hard_link(self, link: int, where: str) -> None:
+        """Refuse a link that is not a hard link: never followed (an external link opens another file, soft links
+        loop)."""
+        if link != h5py.h5l.TYPE_HARD:
+            raise self.fail(where, f"is a {_LINK_NAMES.get(link, 'link')}; a run file holds its data itself")
 
     def _open(self, group: h5py.Group, name: str):
         """group[name] for a one-component name already known to be a hard link, without what h5py's
@@ -511,6 +516,14 @@ def record_table(check: Validator, group: h5py.Group, where: str) -> RecordTable
 def param_meta(check: Validator, group: h5py.Group, where: str) -> dict:
     """A parameter's metadata: a sane shape, a dtype name, non-negative group and index."""
     meta = check.json_attr(group, schema.ATTR_META, where, dict)
+    problem = meta_problem(meta)
+    if problem:
+        raise check.fail(where, f"metadata {problem}")
+    return meta
+
+
+def meta_problem(meta: dict) -> str | None:
+    """Why a parameter's metadata (its group's, or its parameter index entry's) is not acceptable, or None."""
     problem = shape_problem(meta.get("shape"))
     if problem is None and not (meta.get("dtype") is None or isinstance(meta.get("dtype"), str)):
         problem = "dtype is not a string"
@@ -518,9 +531,7 @@ def param_meta(check: Validator, group: h5py.Group, where: str) -> dict:
         value = meta.get(key)
         if problem is None and value is not None and not (is_int(value) and value >= 0):
             problem = f"{key} {str(value)[:40]} is not a non-negative integer"
-    if problem:
-        raise check.fail(where, f"metadata {problem}")
-    return meta
+    return problem
 
 
 def record_index(check: Validator, group: h5py.Group, where: str, links: dict | None = None) -> np.ndarray:
@@ -554,8 +565,9 @@ class ParamDatasets:
     ({key: storage dtype}) are the optimizer state's."""
 
     def __init__(self, check: Validator, group: h5py.Group, where: str, shape: tuple, num_rows: int,
-                 links: dict | None = None):
+                 links: dict | None = None, listed_dtypes: dict | None = None):
         self._check, self._group, self._where = check, group, where
+        self._listed_dtypes = listed_dtypes  # {kind: storage dtype} as the parameter index lists them, if it does
         self._shape, self._num_rows = shape, num_rows
         # the group's {name: link type} (link_types), one pass over its links instead of a lookup per member
         if links is None:
@@ -620,6 +632,9 @@ class ParamDatasets:
                 raise check.fail(at, f"has {ds.shape[0]} rows, fewer than the parameter's {rows} committed records")
             check.readable(ds, 1 if rows else 0, at)
             dtypes[kind] = check.tensor_dtype(ds, at)
+            if self._listed_dtypes is not None and dtypes[kind] != self._listed_dtypes.get(kind):
+                raise check.fail(at, f"has torch_dtype {dtypes[kind]}, but the parameter index lists "
+                                     f"{self._listed_dtypes.get(kind)}")
             reads.append((ds, rows, at))
         if self.state_keys:
             decl = schema.STATE.datasets[0]

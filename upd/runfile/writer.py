@@ -22,7 +22,8 @@ import h5py
 import numpy as np
 import torch
 
-from . import encoding, schema
+from . import encoding, param_index, schema
+from .full_rows import ParamRows, RecordRows, ScalarRows
 from .guards import SUPERBLOCK_BYTES, parse_superblock
 from .livelock import WriterLocks
 from .record import ParamSnapshot, Record, param_meta
@@ -72,6 +73,24 @@ def _chunks(shape: tuple) -> tuple:
     return (1, *(max(1, d) for d in inner))  # HDF5 chunks are never empty: a rank's empty shard has a 0 dimension
 
 
+def index_from_file(params: h5py.Group, committed: int) -> list[dict]:
+    """The parameter index entries of an optimizer's params group, read from its groups (a run this writer
+    resumed: its earlier groups were written by another session)."""
+    entries = []
+    for key, grp in params.items():
+        entry = param_index.entry(key, encoding.from_json(grp.attrs[schema.ATTR_META]))
+        entry[param_index.ROWS] = int((grp[schema.RECORD_INDEX][()] < committed).sum())
+        entry[param_index.KINDS] = {kind: _text(grp[kind].attrs[schema.ATTR_TORCH_DTYPE])
+                                    for kind in schema.TENSOR_KINDS if kind in grp}
+        entry[param_index.STATE_KEYS] = encoding.from_json(grp[schema.STATE_GROUP].attrs[schema.STATE_KEYS])
+        entries.append(entry)
+    return entries
+
+
+def _text(value) -> str:
+    return value.decode("utf-8") if isinstance(value, bytes) else str(value)
+
+
 class RunWriter:
     def __init__(self, path: str, meta: dict, *, overwrite: bool, storage_dtype: str, compression,
                  resume: bool = False):
@@ -80,8 +99,17 @@ class RunWriter:
         self.compression = compression
         self._records_written: dict[int, int] = {}
         self._stats_tables: dict[int, StatsTableWriter] = {}  # optimizer -> its statistics table, kept open
-        self._tensor_layouts: dict = {}  # tensor dataset id -> (stored torch dtype, numpy dtype, whole-row chunks)
-        self._scalar_columns: dict[int, dict[str, int]] = {}  # optimizer -> {scalar name: column}
+        # Full records' datasets, kept open (full_rows.py): optimizer -> its record table; (optimizer, parameter
+        # name) -> the parameter's group.
+        self._record_rows: dict[int, RecordRows] = {}
+        self._param_rows: dict[tuple, ParamRows] = {}
+        self._scalar_rows: dict[int, ScalarRows] = {}  # optimizer -> its logged-scalars table, kept open
+        # The parameter index written at close (param_index.py): optimizer -> {group name: entry}, kept up to date
+        # as rows are written; the last record each optimizer wrote rows for; optimizers whose groups predate this
+        # writer (resume=True), whose index is rebuilt from the file instead.
+        self._param_index: dict[int, dict[str, dict]] = {}
+        self._index_last_record: dict[int, int] = {}
+        self._index_from_file: set[int] = set()
         if resume and os.path.exists(self.path):
             self._reopen(meta)
             return
@@ -146,6 +174,9 @@ class RunWriter:
             records = opt[schema.RECORDS]
             committed = int(records[schema.COMMIT_COLUMN].shape[0])
             self._records_written[int(key)] = committed
+            if schema.PARAM_INDEX in opt[schema.PARAMS].attrs:  # it will not describe what this session appends
+                del opt[schema.PARAMS].attrs[schema.PARAM_INDEX]
+            self._index_from_file.add(int(key))
             _truncate(records, schema.RECORD_TABLE, committed)
             for grp in opt[schema.PARAMS].values():
                 valid = int((grp[schema.RECORD_INDEX][()] < committed).sum())
@@ -194,7 +225,9 @@ class RunWriter:
             return params[key]
         grp = params.create_group(key)
         reference = snap.param if snap.param is not None else snap.grad if snap.grad is not None else snap.param_after
-        grp.attrs[schema.ATTR_META] = encoding.to_json(param_meta(snap, reference))
+        meta = param_meta(snap, reference)
+        grp.attrs[schema.ATTR_META] = encoding.to_json(meta)
+        self._param_index.setdefault(optimizer, {})[key] = param_index.entry(key, meta)
         _create_declared(grp, schema.PARAMETER)  # the record index and state_present; tensors at their first row
         st = grp.create_group(schema.STATE_GROUP)
         st.attrs[schema.STATE_KEYS] = encoding.to_json([])
@@ -220,23 +253,6 @@ class RunWriter:
         if ds.shape[0] <= row:
             ds.resize(row + 1, axis=0)
         ds[row] = value
-
-    def _write_tensor(self, ds: h5py.Dataset, row: int, tensor: torch.Tensor) -> None:
-        layout = self._tensor_layouts.get(ds.id)
-        if layout is None:  # read once per dataset: attributes and the creation property list cost a call each
-            whole_rows = ds.compression is None and ds.chunks == (1, *ds.shape[1:]) and ds.ndim > 1
-            layout = self._tensor_layouts[ds.id] = (ds.attrs[schema.ATTR_TORCH_DTYPE], ds.dtype, whole_rows)
-        stored_as, dtype, whole_rows = layout
-        array = encoding.tensor_to_numpy(tensor, stored_as)
-        if whole_rows and array.dtype == dtype and array.flags.c_contiguous and array.shape == ds.shape[1:]:
-            # (a tensor whose shape changed under the same name goes the checked way below, and fails there)
-            # One uncompressed chunk per row: its bytes go to the file as they are, with no selection, conversion
-            # or chunk-cache copy (2x the throughput of ds[row] = array, docs/performance.md).
-            if ds.shape[0] <= row:
-                ds.resize(row + 1, axis=0)
-            ds.id.write_direct_chunk((row,) + (0,) * array.ndim, array)
-        else:
-            self._append(ds, row, array)
 
     def _check_space(self, rec: Record) -> int:
         """Refuse a record the disk (or the process's file-size limit) cannot take, before writing any of it; return
@@ -317,9 +333,7 @@ class RunWriter:
             self._stats_table(index).commit(rows)
         for rec in recs:
             if rec.full:
-                opt = self._optimizer(rec.optimizer)
-                self._append(opt[schema.RECORDS][schema.COMMIT_COLUMN], self._records_written[rec.optimizer],
-                             rec.step)
+                self._records_of(rec.optimizer).commit(self._records_written[rec.optimizer], rec.step)
                 self._records_written[rec.optimizer] += 1
         for block in scalar_blocks:
             self._commit_scalars(block)
@@ -327,12 +341,8 @@ class RunWriter:
 
     def _commit_scalars(self, rec) -> None:
         """Append the steps of `rec.scalars` (a record's, or a batch's of one optimizer) to its scalars table."""
-        opt = self._optimizer(rec.optimizer)
         if rec.scalars:
-            commit = opt[schema.SCALARS][schema.COMMIT_COLUMN]
-            start = commit.shape[0]
-            commit.resize(start + len(rec.scalars), axis=0)
-            commit[start:] = [step for step, _, _ in rec.scalars]
+            self._scalars_of(rec.optimizer).commit(rec.scalars)
 
     def _stats_table(self, optimizer: int) -> StatsTableWriter:
         table = self._stats_tables.get(optimizer)
@@ -340,87 +350,74 @@ class RunWriter:
             table = self._stats_tables[optimizer] = StatsTableWriter(self._optimizer(optimizer))
         return table
 
+    def _scalars_of(self, optimizer: int) -> ScalarRows:
+        """The optimizer's logged-scalars table, created at its first row."""
+        found = self._scalar_rows.get(optimizer)
+        if found is None:
+            opt = self._optimizer(optimizer)
+            if schema.SCALARS not in opt:
+                table = opt.create_group(schema.SCALARS)
+                _create_declared(table, schema.SCALARS_TABLE)
+                table.attrs[schema.SCALAR_COLUMNS] = encoding.to_json([])
+            found = self._scalar_rows[optimizer] = ScalarRows(opt[schema.SCALARS])
+        return found
+
     def _write_scalars(self, rec: Record) -> None:
         """The record's logged scalars as rows of the scalars table (committed by the caller, with its step)."""
-        opt = self._optimizer(rec.optimizer)
-        if schema.SCALARS not in opt:
-            table = opt.create_group(schema.SCALARS)
-            _create_declared(table, schema.SCALARS_TABLE)
-            table.attrs[schema.SCALAR_COLUMNS] = encoding.to_json([])
-        table = opt[schema.SCALARS]
-        columns = self._scalar_columns.get(rec.optimizer)
-        if columns is None:
-            known = encoding.from_json(table.attrs[schema.SCALAR_COLUMNS])
-            columns = self._scalar_columns[rec.optimizer] = {name: i for i, name in enumerate(known)}
-        added = False
-        for _, _, values in rec.scalars:
-            for name in values:
-                if name not in columns:
-                    columns[name] = len(columns)
-                    added = True
-        if added:
-            table.attrs[schema.SCALAR_COLUMNS] = encoding.to_json(list(columns))
-        start = table[schema.COMMIT_COLUMN].shape[0]
-        block = np.full((len(rec.scalars), len(columns)), np.nan)
-        for i, (_, _, values) in enumerate(rec.scalars):
-            for name, value in values.items():
-                block[i, columns[name]] = value
-        ds = table[schema.VALUES]
-        ds.resize((start + len(rec.scalars), max(ds.shape[1], len(columns))))
-        ds[start:, : len(columns)] = block
-        wall = table[schema.WALL_TIME]
-        wall.resize(start + len(rec.scalars), axis=0)
-        wall[start:] = [wall_time for _, wall_time, _ in rec.scalars]
+        self._scalars_of(rec.optimizer).write(rec.scalars)
+
+    def _records_of(self, optimizer: int) -> RecordRows:
+        found = self._record_rows.get(optimizer)
+        if found is None:
+            found = self._record_rows[optimizer] = RecordRows(self._optimizer(optimizer)[schema.RECORDS])
+        return found
 
     def _write_full(self, rec: Record) -> None:
-        opt = self._optimizer(rec.optimizer)
         record = self._records_written[rec.optimizer]
         for snap in rec.params:
-            grp = self._param_group(rec.optimizer, snap)
-            row = grp[schema.RECORD_INDEX].shape[0]
-            for kind, tensor in ((schema.KIND_PARAM, snap.param), (schema.KIND_GRAD, snap.grad),
-                                 (schema.KIND_PARAM_AFTER, snap.param_after)):
-                if tensor is not None:
-                    self._write_tensor(self._tensor_dataset(grp, kind, tensor, row), row, tensor)
-            if snap.state:
-                self._write_state(grp, row, snap.state)
-            elif grp[schema.STATE_PRESENT].shape[1]:
-                self._append(grp[schema.STATE_PRESENT], row, np.zeros(grp[schema.STATE_PRESENT].shape[1], "u1"))
-            self._append(grp[schema.RECORD_INDEX], row, record)
+            rows = self._param_rows.get((rec.optimizer, snap.name))
+            if rows is None:
+                rows = self._param_rows[rec.optimizer, snap.name] = ParamRows(
+                    self._param_group(rec.optimizer, snap), self._tensor_dataset, self.storage_dtype)
+            state_keys = rows.write(snap, record)
+            self._index_row(rec.optimizer, record, snap, rows.rows, state_keys)
+        self._records_of(rec.optimizer).write(record, rec)
 
-        rec_grp = opt[schema.RECORDS]
-        self._append(rec_grp[schema.BACKWARD_PASS], record, rec.backward_pass)
-        self._append(rec_grp[schema.WALL_TIME], record, rec.wall_time)
-        self._append(rec_grp[schema.HPARAMS], record, encoding.to_json(rec.hparams))
-        if schema.CLOSURE_LOSSES in rec_grp:  # optional: a resumed run written before it existed goes on without it
-            self._append(rec_grp[schema.CLOSURE_LOSSES], record, encoding.to_json(rec.closure_losses))
-        self._append_lr(rec_grp[schema.LR], record, rec.hparams)
+    def _index_row(self, optimizer: int, record: int, snap: ParamSnapshot, rows: int, state_keys) -> None:
+        """The parameter index after a row of `snap` was written (the index is written at close)."""
+        self._index_last_record[optimizer] = record
+        found = self._param_index.get(optimizer, {}).get(schema.param_key(snap.name))
+        if found is None:  # a group written before a resume: this optimizer's index is read from the file at close
+            return
+        found[param_index.ROWS] = rows
+        kinds = found[param_index.KINDS]
+        for kind, tensor in ((schema.KIND_PARAM, snap.param), (schema.KIND_GRAD, snap.grad),
+                             (schema.KIND_PARAM_AFTER, snap.param_after)):
+            if tensor is not None and kind not in kinds:  # the storage dtype _tensor_dataset chose for it
+                kinds[kind] = encoding.storage_numpy_dtype(tensor.dtype, self.storage_dtype)[1]
+        if state_keys is not None:
+            found[param_index.STATE_KEYS] = list(state_keys)
 
-    def _append_lr(self, lr: h5py.Dataset, row: int, hparams: list) -> None:
-        """One row of per-param-group lr; the group axis grows with add_param_group, NaN for absent groups."""
-        if lr.shape[1] < len(hparams):
-            lr.resize(len(hparams), axis=1)
-        lr_row = np.full(lr.shape[1], np.nan)
-        lr_row[: len(hparams)] = [encoding.lr_of(g) for g in hparams]
-        self._append(lr, row, lr_row)
-
-    def _write_state(self, grp: h5py.Group, row: int, state: dict) -> None:
-        st = grp[schema.STATE_GROUP]
-        keys = encoding.from_json(st.attrs[schema.STATE_KEYS])
-        for key in state:
-            if key not in keys:
-                keys.append(key)
-        present_ds = grp[schema.STATE_PRESENT]
-        if present_ds.shape[1] < len(keys):
-            present_ds.resize(len(keys), axis=1)
-            st.attrs[schema.STATE_KEYS] = encoding.to_json(keys)
-        present = np.zeros(len(keys), "u1")
-        for i, key in enumerate(keys):
-            if key in state:
-                storage = encoding.state_storage_dtype(state[key], self.storage_dtype)
-                self._write_tensor(self._tensor_dataset(st, key, state[key], row, storage), row, state[key])
-                present[i] = 1
-        self._append(present_ds, row, present)
+    def _write_param_index(self) -> None:
+        """Write each optimizer's parameter index (param_index.py) as the run is closed: every row is committed
+        then. Left out where it would not hold: rows of a record that was never committed (a write failed), more
+        text than a reader accepts, or no room on the disk (readers then read the parameters' groups)."""
+        for index, committed in sorted(self._records_written.items()):
+            params = self._optimizer(index)[schema.PARAMS]
+            if self._index_last_record.get(index, -1) >= committed:
+                continue
+            if index in self._index_from_file:
+                entries = index_from_file(params, committed)
+            else:
+                entries = list(self._param_index.get(index, {}).values())
+            text = encoding.to_json(param_index.document(committed, entries))
+            if len(text) > schema.MAX_META_BYTES:
+                continue
+            try:
+                self._reserve(2 * len(text) + (64 << 10))
+            except OSError:
+                return
+            params.attrs[schema.PARAM_INDEX] = text
 
     def add_dump(self, info: dict) -> None:
         """Append a flight-recorder dump (reason, trigger step, steps written) to /flight_dumps."""
@@ -465,8 +462,11 @@ class RunWriter:
         try:
             if self.file.id.valid:
                 self._locks.begin()
-                self.file.flush()
-                self.file.close()
-                self._trim()
+                try:
+                    self._write_param_index()
+                finally:
+                    self.file.flush()
+                    self.file.close()
+                    self._trim()
         finally:
             self._locks.close()
