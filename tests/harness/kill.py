@@ -31,10 +31,17 @@ CHILD = textwrap.dedent("""
 """)
 
 
-def one_kill(path: str, delay: float) -> dict:
+def one_kill(path: str, delay: float, after_records: int = 0) -> dict:
+    """Kill the child `delay` seconds after it has acknowledged `after_records` records (0: after it started)."""
     proc = subprocess.Popen([sys.executable, "-c", CHILD, path], stdout=subprocess.PIPE, text=True)
     acknowledged = 0
     assert proc.stdout.readline().strip() == "started"
+    while acknowledged < after_records:  # on a loaded machine the first step alone can outlast any fixed delay
+        line = proc.stdout.readline()
+        if not line:
+            break
+        if line.startswith("committed"):
+            acknowledged = int(line.split()[1])
     deadline = time.monotonic() + delay
     os.set_blocking(proc.stdout.fileno(), False)
     while time.monotonic() < deadline and proc.poll() is None:
@@ -57,12 +64,13 @@ def one_kill(path: str, delay: float) -> dict:
     return result
 
 
-def run_kills(kills: int, seed: int, low: float = 0.2, high: float = 2.0, workdir: str | None = None) -> list:
+def run_kills(kills: int, seed: int, low: float = 0.2, high: float = 2.0, workdir: str | None = None,
+              after_records: int = 0) -> list:
     rng = random.Random(seed)
     results = []
     with tempfile.TemporaryDirectory(dir=workdir) as tmp:
         for i in range(kills):
-            results.append(one_kill(os.path.join(tmp, f"run{i}.h5"), rng.uniform(low, high)))
+            results.append(one_kill(os.path.join(tmp, f"run{i}.h5"), rng.uniform(low, high), after_records))
     return results
 
 

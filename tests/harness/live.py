@@ -62,6 +62,11 @@ class _Child:
                 self.acknowledged = int(line.split()[1])
         return self.acknowledged
 
+    def wait_acknowledged(self, records: int, timeout: float = 120.0) -> None:
+        deadline = time.monotonic() + timeout
+        while self.poll_acknowledged() < records and self.proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.01)
+
     def kill(self) -> int:
         self.proc.send_signal(signal.SIGKILL)
         self.proc.wait()
@@ -102,14 +107,17 @@ def _check_read(path: str, acknowledged: int, verify: bool, in_place: bool) -> d
 
 
 def run_live_reads(reads: int, seed: int, width: int = 32, pause: float = 0.05, steps: int = 400, low: float = 0.05,
-                   high: float = 0.4, workdir: str | None = None, in_place: bool = False) -> tuple[list, dict]:
-    """`reads` reads of a run a child process is writing; then SIGKILL and one more read. Returns (reads, final)."""
+                   high: float = 0.4, workdir: str | None = None, in_place: bool = False,
+                   after_records: int = 0) -> tuple[list, dict]:
+    """`reads` reads of a run a child process is writing, the first once it has acknowledged `after_records`
+    records; then SIGKILL and one more read. Returns (reads, final)."""
     rng = random.Random(seed)
     with tempfile.TemporaryDirectory(dir=workdir) as tmp:
         path = os.path.join(tmp, "live.h5")
         child = _Child(path, width, pause, steps)
         results = []
         try:
+            child.wait_acknowledged(after_records)
             for i in range(reads):
                 time.sleep(rng.uniform(low, high))
                 acknowledged = child.poll_acknowledged()

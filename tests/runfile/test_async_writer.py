@@ -373,20 +373,27 @@ def test_no_blocking_when_the_writer_keeps_up(tmp_path, monkeypatch):
     max_pending, step_seconds = 2, 0.1
     records = adam_records(3 * max_pending)  # more than the queue and the record in the thread's hands together
 
-    def blocked_seconds(name):
+    def blocked_seconds(name, rest_of_step):
         writer = AsyncRunWriter(str(tmp_path / name), {}, max_pending=max_pending, **WRITER_OPTIONS)
         writer.add_optimizer(0, {})  # waits for the writer thread: the queue is empty after it
         for first in range(0, len(records), max_pending):
             for rec in records[first:first + max_pending]:  # a burst that fits an empty queue, never more
                 writer.write(rec)
-            time.sleep(step_seconds)  # the rest of a training step: a writer that keeps up takes the burst
+            rest_of_step(writer, first + max_pending)
         writer.close()
         assert writer.records_written == len(records)
         return writer.blocked_seconds
 
-    assert blocked_seconds("keeps_up.h5") == 0.0
+    def until_written(writer, count):
+        # A writer that keeps up has taken the burst by the next step; waiting for exactly that (not for a fixed
+        # time) keeps the test independent of how loaded the machine is.
+        deadline = time.monotonic() + 60
+        while writer.records_written < count and time.monotonic() < deadline:
+            time.sleep(0.005)
+
+    assert blocked_seconds("keeps_up.h5", until_written) == 0.0
     slow_writes(monkeypatch, 2 * step_seconds)  # each record now takes two training steps to write
-    assert blocked_seconds("falls_behind.h5") > step_seconds / 2
+    assert blocked_seconds("falls_behind.h5", lambda writer, count: time.sleep(step_seconds)) > step_seconds / 2
 
 
 def test_max_pending_must_be_positive(tmp_path):
