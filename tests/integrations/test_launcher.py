@@ -253,6 +253,19 @@ def test_bad_input_is_one_line_and_exit_2(tmp_path, args, words):
     assert os.listdir(tmp_path) == []
 
 
+def test_the_launcher_checks_options_without_importing_torch():
+    """`upd record` refuses a bad option with the recorder's own message before it starts the command, in a process
+    that has not imported torch (seconds here; the command imports it again anyway); the control is a Recorder."""
+    code = ("import sys; from upd.cli.record import check_options\n"
+            "try:\n    check_options({'every': None, 'stats_every': None, 'tensorboard': None})\n"
+            "except SystemExit as exit:\n    print(exit.code, 'torch' in sys.modules)")
+    done = subprocess.run([sys.executable, "-c", code], cwd=REPO_ROOT, capture_output=True, text=True, timeout=120)
+    assert done.stdout.split() == ["2", "False"], done.stdout + done.stderr
+    assert "would record nothing" in done.stderr
+    with pytest.raises(ValueError, match="would record nothing"):
+        upd.record(os.devnull, None, None, every=None, stats_every=None)
+
+
 def test_an_existing_run_is_refused_and_a_missing_command_is_127(tmp_path):
     existing = tmp_path / "run.rank1-of-2.h5"
     existing.write_bytes(b"an earlier job's file")

@@ -79,13 +79,19 @@ def test_batched_replay_gives_the_same_checks_as_one_by_one(case_id, corrupted, 
         assert all(sorted(given) == found for given, found in batched)  # every batched check stood
 
 
-def test_a_corrupted_state_of_a_small_parameter_is_caught(tmp_path, monkeypatch, batched):
+def _adamw_run(tmp_path, steps: int) -> str:
+    """A recorded AdamW run (weight decay 0.1) of the MLP; its path."""
     torch.manual_seed(0)
     model = MLP()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
     path = str(tmp_path / "run.h5")
     with upd.record(path, model, opt):
-        train_steps(model, opt, steps=5)
+        train_steps(model, opt, steps=steps)
+    return path
+
+
+def test_a_corrupted_state_of_a_small_parameter_is_caught(tmp_path, monkeypatch, batched):
+    path = _adamw_run(tmp_path, steps=5)
     name = _corrupt(path, lambda names: "fc2.bias", kind=f"{schema.STATE_GROUP}/exp_avg_sq", record=3)
     report = upd.verify(path)
     assert report.exit_code == 1
@@ -120,12 +126,7 @@ def test_parameters_whose_scalar_state_differs_are_replayed_one_by_one(tmp_path,
 
 @pytest.mark.slow
 def test_worker_processes_share_a_long_history_by_ranges_of_steps(tmp_path, monkeypatch):
-    torch.manual_seed(0)
-    model = MLP()
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
-    path = str(tmp_path / "run.h5")
-    with upd.record(path, model, opt):
-        train_steps(model, opt, steps=12)
+    path = _adamw_run(tmp_path, steps=12)
     with upd.open_run(path) as run:
         params = run.optimizers[0].param_records.values()
         units = {(path, 0, p.name, 0, p.num_rows): p.numel * p.num_rows for p in params}

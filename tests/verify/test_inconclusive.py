@@ -128,6 +128,6 @@ def test_rules_module_in_the_current_directory_loads_from_the_console_script(tmp
         ok = subprocess.run([*command, "verify", path, "--rules", "lion_opt"], cwd=tmp_path, env=env,
                             capture_output=True, text=True)
         assert ok.returncode == EXIT_MATCH, ok.stdout + ok.stderr
-        without = subprocess.run([*command, "verify", path], cwd=tmp_path, env=env, capture_output=True,
-                                 text=True)
-        assert without.returncode == EXIT_NOTHING_VERIFIABLE, without.stdout + without.stderr
+    # the control, once: without --rules the same command cannot verify a Lion run
+    without = subprocess.run([script, "verify", path], cwd=tmp_path, env=env, capture_output=True, text=True)
+    assert without.returncode == EXIT_NOTHING_VERIFIABLE, without.stdout + without.stderr

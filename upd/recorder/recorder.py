@@ -28,6 +28,7 @@ from .flight_recorder import FlightRecorder
 from .grad_norms import TotalNorm, queue_after_backward, total_norm
 from .logged_scalars import HOST_BATCH_STEPS, kept, name_problem, scalar_problem, to_host
 from .job_scalars import JobScalars, Slot
+from .options import check_record_options
 from .naming import ParamNames, is_selected, model_names, named_parameters, patterns, uncompiled
 from .resume import has_step_counter, initial_step, resume_problems
 from .snapshots import (cpu_copy, dense, dtensor_class, hparams_snapshot, local_part, refuse_unlike_param,
@@ -92,30 +93,14 @@ class Recorder:
                  flight_recorder: int | None = None,
                  spike_factor: float = 10.0, overwrite: bool = False, resume: bool = False, strict: bool = False,
                  ranks=None):
-        for label, cadence in (("every", every), ("stats_every", stats_every), ("full_stats_every", full_stats_every)):
-            if cadence is not None and (not isinstance(cadence, int) or isinstance(cadence, bool) or cadence < 1):
-                raise ValueError(f"{label} must be a positive integer or None, got {cadence!r}")
+        check_record_options(every=every, stats_every=stats_every, full_stats_every=full_stats_every,
+                             flight_recorder=flight_recorder, spike_factor=spike_factor, what=what, dtype=dtype,
+                             compression=compression, zero_counts=zero_counts, tensorboard=tensorboard,
+                             overwrite=overwrite, resume=resume)
         if tensorboard is not None and stats_every is None:
             stats_every = 1  # TensorBoard scalars come from the statistics: log them at every step
-        if flight_recorder is not None and (not isinstance(flight_recorder, int) or flight_recorder < 1):
-            raise ValueError(f"flight_recorder must be a positive number of steps or None, got {flight_recorder!r}")
-        if not spike_factor > 1:
-            raise ValueError(f"spike_factor must be > 1, got {spike_factor!r}")
-        if every is None and stats_every is None and flight_recorder is None:
-            raise ValueError("every=None and stats_every=None would record nothing")
         what = (what,) if isinstance(what, str) else tuple(what)
-        unknown = set(what) - set(schema.WHAT_CHOICES)
-        if unknown:
-            raise ValueError(f"what= accepts {schema.WHAT_CHOICES}, got {sorted(unknown)}")
-        if dtype not in schema.STORAGE_DTYPES:
-            raise ValueError(f"dtype= must be one of {schema.STORAGE_DTYPES}, got {dtype!r}")
-        if compression not in (None, "gzip", "lzf"):
-            raise ValueError(f"compression= must be None, 'gzip' or 'lzf', got {compression!r}")
         zero_counts = (zero_counts,) if isinstance(zero_counts, str) else tuple(zero_counts)
-        if set(zero_counts) - {"param", "grad", "update", "state"}:
-            raise ValueError(f"zero_counts= takes 'param', 'grad', 'update', 'state'; got {zero_counts!r}")
-        if overwrite and resume:
-            raise ValueError("pass overwrite=True or resume=True, not both")
 
         # An inactive recorder from here on: everything below that cannot record returns it as it is (one
         # RecorderWarning, no hooks, no file), so that setup never breaks the training either.
