@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import os
 import socket
+import subprocess
+import sys
 import time
 import traceback
 
@@ -21,6 +23,16 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def torchrun_script(script: str, *args: str, cwd: str, timeout: float = 180) -> subprocess.CompletedProcess:
+    """Run the file `script` with `args` on two processes through torchrun (`--standalone`: a free port of its own),
+    one torch thread each and the repository on PYTHONPATH, from `cwd`; its completed process, output captured."""
+    from tests.harness.paths import REPO_ROOT
+
+    env = dict(os.environ, PYTHONPATH=REPO_ROOT, OMP_NUM_THREADS="1")
+    return subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+                           script, *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
 
 
 def job_path(folder: str, optimizer: str, mode: str) -> str:

@@ -8,7 +8,6 @@ import importlib.util
 import math
 import os
 import signal
-import subprocess
 import sys
 
 import h5py
@@ -20,7 +19,7 @@ from torch import nn
 import upd
 from upd.runfile import schema
 
-from tests.harness.paths import REPO_ROOT
+from tests.harness.distributed import torchrun_script
 
 pl = pytest.importorskip("lightning.pytorch", reason='needs the lightning extra (pip install "torch-upd[lightning]")')
 from upd.integrations.lightning import DEFAULT_FILE, INSTALL_HINT, UpdCallback  # noqa: E402
@@ -295,9 +294,7 @@ def test_ddp_on_two_processes_records_on_rank_0_alone(tmp_path):
     script = tmp_path / "train.py"
     script.write_text(DDP_SCRIPT)
     out = tmp_path / "out"
-    env = dict(os.environ, PYTHONPATH=REPO_ROOT, OMP_NUM_THREADS="1")
-    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-                           str(script), str(out)], env=env, capture_output=True, text=True, timeout=180)
+    done = torchrun_script(str(script), str(out), cwd=str(tmp_path))
     assert done.returncode == 0, done.stderr[-3000:]
     assert "RecorderWarning" not in done.stderr
     assert sorted(os.listdir(out)) == [DEFAULT_FILE]  # no rank files: the replicas are identical

@@ -8,8 +8,6 @@ section of the document has a block run here, or a marker comment saying which t
 import json
 import os
 import re
-import subprocess
-import sys
 
 import h5py
 import numpy as np
@@ -20,6 +18,7 @@ from torch import nn
 import upd
 from upd.runfile import schema
 
+from tests.harness.distributed import torchrun_script
 from tests.harness.paths import REPO_ROOT
 
 DOC = os.path.join(REPO_ROOT, "docs", "integrations.md")
@@ -211,9 +210,7 @@ atexit.register(lambda: json.dump(loss_fn.values, open(f"losses.rank{os.environ[
 def test_torchrun_and_ddp(tmp_path):
     script = tmp_path / "train.py"
     script.write_text(TORCHRUN_PRELUDE + recipe("torchrun and DDP"))
-    env = dict(os.environ, PYTHONPATH=REPO_ROOT, OMP_NUM_THREADS="1")
-    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-                           str(script)], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=180)
+    done = torchrun_script(str(script), cwd=str(tmp_path))
     assert done.returncode == 0, done.stderr[-3000:]
     assert "RecorderWarning" not in done.stderr
     assert os.listdir(tmp_path / "runs") == ["ddp.h5"]  # rank 0 alone, into the path itself

@@ -2,7 +2,6 @@
 import importlib.util
 import math
 import os
-import subprocess
 import sys
 import types
 
@@ -17,7 +16,7 @@ import upd
 from upd.analyzer.clipping import clipping_summary
 from upd.runfile import schema
 
-from tests.harness.paths import REPO_ROOT
+from tests.harness.distributed import torchrun_script
 from tests.harness.training import MLP, record_run
 
 transformers = pytest.importorskip("transformers", reason="needs the transformers extra "
@@ -241,9 +240,7 @@ def test_replicated_training_on_two_processes_records_on_rank_0_alone(tmp_path):
     script = tmp_path / "train.py"
     script.write_text(DDP_SCRIPT)
     out = tmp_path / "out"
-    env = dict(os.environ, PYTHONPATH=REPO_ROOT, OMP_NUM_THREADS="1")
-    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-                           str(script), str(out)], env=env, capture_output=True, text=True, timeout=120)
+    done = torchrun_script(str(script), str(out), cwd=str(tmp_path), timeout=120)
     assert done.returncode == 0, done.stderr[-3000:]
     assert "RecorderWarning" not in done.stderr
     assert sorted(os.listdir(out)) == [DEFAULT_FILE]  # no rank files: the replicas are identical
