@@ -336,6 +336,26 @@ def _sample(t: torch.Tensor) -> np.ndarray:
     return values[np.isfinite(values)]
 
 
+def row_sample(p, kind: str, row: int, block_elements: int | None = None) -> np.ndarray:
+    """_sample of one recorded row of a parameter: the same values, read a block of elements (default: verify's
+    block) at a time when the row is larger than a block, the strided sample taken from each block where the whole
+    row's stride falls: a whole row of a 200 MB weight is never held."""
+    from ..replay.blocks import BLOCK_ELEMENTS, element_blocks  # contiguous runs of elements, in order
+
+    block_elements = block_elements or BLOCK_ELEMENTS
+    if not hasattr(p, "read_part") or p.numel <= block_elements:  # a distributed job's stitched parameter: whole
+        return _sample(p.read(kind, row))
+
+    stride = max(1, -(-p.numel // HISTOGRAM_SAMPLE))
+    parts, start = [], 0
+    for index in element_blocks(p.stored_shape(kind), block_elements):
+        piece = p.read_part(kind, slice(row, row + 1), index).reshape(-1)
+        parts.append(piece[(-start) % stride::stride].double())
+        start += piece.numel()
+    values = torch.cat(parts).numpy()
+    return values[np.isfinite(values)]
+
+
 def histogram_panels(run, keys: list, kind: str, steps: list[int]) -> list[tuple[tuple, dict[int, np.ndarray]]]:
     """[(key, {step: finite values})] for each of keys (in order) that has a `kind` record at one of `steps`."""
     wanted = set(keys)
@@ -349,7 +369,7 @@ def histogram_panels(run, keys: list, kind: str, steps: list[int]) -> list[tuple
         for step in steps:
             rows = np.nonzero(row_steps == step)[0]
             if len(rows):
-                per_step[step] = _sample(p.read(kind, int(rows[0])))
+                per_step[step] = row_sample(p, kind, int(rows[0]))
         if per_step:
             found[key] = per_step
     return [(k, found[k]) for k in keys if k in found]

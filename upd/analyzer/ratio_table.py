@@ -1,6 +1,7 @@
 """Update:data and grad:data ratios. Pure functions on tensors, plus the streaming DataFrame builder."""
 from __future__ import annotations
 
+import contextlib
 import math
 
 import numpy as np
@@ -54,27 +55,55 @@ def _add_sums(sums: torch.Tensor, x: torch.Tensor) -> None:
     sums[:, 1] += (x * x).sum(1)
 
 
-def _row_sums(sums: np.ndarray, before, after, grad, buffers) -> None:
-    """sums[k] = (sum, sum of squares) of the parameter (k=0), the update (1) and the gradient (2) of one long row
-    (flat tensors in the stored dtype, any of them None), SUM_CHUNK numbers at a time converted into reused float64
-    buffers: one dot product per chunk, no temporary the size of the row."""
-    size = next(t.numel() for t in (before, grad) if t is not None)
-    acc = [0.0] * 6
-    for lo in range(0, size, SUM_CHUNK):
-        hi = min(lo + SUM_CHUNK, size)
-        if before is not None:
-            b = buffers[0][:hi - lo].copy_(before[lo:hi])
-            acc[0] += float(b.sum())
-            acc[1] += float(torch.dot(b, b))
-            if after is not None:
-                u = torch.sub(after[lo:hi], b, out=buffers[1][:hi - lo])
-                acc[2] += float(u.sum())
-                acc[3] += float(torch.dot(u, u))
-        if grad is not None:
-            g = buffers[2][:hi - lo].copy_(grad[lo:hi])
-            acc[4] += float(g.sum())
-            acc[5] += float(torch.dot(g, g))
-    sums[:] = np.reshape(acc, (3, 2))
+class RowSums:
+    """(sum, sum of squares) of the parameter, the update and the gradient of one long row, fed in pieces of any
+    size (flat tensors in the stored dtype, any of them None): the numbers are gathered into reused float64 buffers
+    and reduced SUM_CHUNK at a time, one dot product per chunk, so the sums do not depend on how the row was split
+    (a whole row and the same row read block by block give the same bits) and no temporary is the size of a row."""
+
+    def __init__(self):
+        self.buffers = [torch.empty(SUM_CHUNK, dtype=torch.float64) for _ in range(3)]
+        self.filled = 0
+        self.present = (False, False, False)
+        self.acc = [0.0] * 6
+        self.numbers = 0
+
+    def add(self, before, after, grad) -> None:
+        if after is not None and before is None:
+            after = None  # no update without the parameter before the step
+        self.present = (before is not None, after is not None, grad is not None)
+        size = next(t.numel() for t in (before, grad) if t is not None)
+        self.numbers += size
+        b, u, g = self.buffers
+        at = 0
+        while at < size:
+            take = min(SUM_CHUNK - self.filled, size - at)
+            into, part = slice(self.filled, self.filled + take), slice(at, at + take)
+            if before is not None:
+                b[into].copy_(before[part])
+                if after is not None:
+                    torch.sub(after[part], b[into], out=u[into])
+            if grad is not None:
+                g[into].copy_(grad[part])
+            self.filled += take
+            at += take
+            if self.filled == SUM_CHUNK:
+                self._reduce()
+
+    def _reduce(self) -> None:
+        n, acc = self.filled, self.acc
+        for k, (present, buffer) in enumerate(zip(self.present, self.buffers)):
+            if present:
+                x = buffer[:n]
+                acc[2 * k] += float(x.sum())
+                acc[2 * k + 1] += float(torch.dot(x, x))
+        self.filled = 0
+
+    def sums(self) -> np.ndarray:
+        """(3, 2): (sum, sum of squares) of the parameter, the update and the gradient."""
+        if self.filled:
+            self._reduce()
+        return np.reshape(self.acc, (3, 2))
 
 
 def _stds(sums: np.ndarray, n: int) -> np.ndarray:
@@ -112,9 +141,10 @@ def block_ratios(before: torch.Tensor | None, after: torch.Tensor | None, grad: 
     if rows and n:
         if n >= SUM_CHUNK:  # long rows: one row at a time, a dot product per chunk
             sums = np.zeros((3, rows, 2))
-            buffers = [torch.empty(min(n, SUM_CHUNK), dtype=torch.float64) for _ in range(3)]
             for i in range(rows):
-                _row_sums(sums[:, i], *(None if t is None else t[i] for t in (before, after, grad)), buffers)
+                row = RowSums()
+                row.add(*(None if t is None else t[i] for t in (before, after, grad)))
+                sums[:, i] = row.sums()
         else:  # short rows: every row at once, a few operations per chunk of rows
             sums = torch.zeros(3, rows, 2, dtype=torch.float64)  # param, update, grad x (sum, sum of squares)
             width = max(1, SUM_CHUNK // rows)
@@ -128,20 +158,39 @@ def block_ratios(before: torch.Tensor | None, after: torch.Tensor | None, grad: 
                 if grad is not None:
                     _add_sums(sums[2], grad[:, part].double())
             sums = sums.numpy()
-        exact = {0: lambda i: before[i], 1: lambda i: after[i].double() - before[i].double(), 2: lambda i: grad[i]}
-        for k, (name, tensor) in enumerate((("param", before), ("update", after), ("grad", grad))):
-            if tensor is None:
-                continue
-            std = _stds(sums[k], n)
-            with np.errstate(invalid="ignore", over="ignore"):
-                centered = sums[k][:, 1] - sums[k][:, 0] ** 2 / n
-                cancels = np.isfinite(centered) & (centered <= CANCELLATION * sums[k][:, 1]) & (n >= 2)
-            for i in np.flatnonzero(cancels):  # nearly constant: the sums cancel; the exact two-pass std
-                std[i] = _two_pass_std(exact[k](i))
-            cols[f"{name}_std"], cols[f"{name}_norm"] = std, np.sqrt(sums[k][:, 1])
-        if grad is not None:
-            for i in np.flatnonzero(~np.isfinite(sums[2]).all(1)):  # non-finite sums: count the elements
-                grad_nonfinite[i] = int((~torch.isfinite(grad[i])).sum())
+        exact = {0: lambda i: _two_pass_std(before[i]),
+                 1: lambda i: _two_pass_std(after[i].double() - before[i].double()),
+                 2: lambda i: _two_pass_std(grad[i])}
+        cols, grad_nonfinite = _stats_from_sums(sums, n, (before is not None, after is not None, grad is not None),
+                                                exact, lambda i: int((~torch.isfinite(grad[i])).sum()))
+    return _with_ratios(cols, grad_nonfinite)
+
+
+def _stats_from_sums(sums: np.ndarray, n: int, present: tuple, exact_std, count_nonfinite) -> tuple[dict, np.ndarray]:
+    """The std and norm columns and the non-finite gradient counts of rows from their sums (3, rows, 2: parameter,
+    update, gradient x (sum, sum of squares)) over n numbers each. exact_std[k](row): the two-pass std of quantity
+    k at a row whose sums cancel; count_nonfinite(row): the NaN/Inf elements of a gradient whose sums are not finite
+    (both rare, so asked for only when needed)."""
+    rows = sums.shape[1]
+    cols = {c: np.full(rows, np.nan) for c in STAT_COLUMNS}
+    grad_nonfinite = np.zeros(rows, np.int64)
+    for k, name in enumerate(("param", "update", "grad")):
+        if not present[k]:
+            continue
+        std = _stds(sums[k], n)
+        with np.errstate(invalid="ignore", over="ignore"):
+            centered = sums[k][:, 1] - sums[k][:, 0] ** 2 / n
+            cancels = np.isfinite(centered) & (centered <= CANCELLATION * sums[k][:, 1]) & (n >= 2)
+        for i in np.flatnonzero(cancels):  # nearly constant: the sums cancel; the exact two-pass std
+            std[i] = exact_std[k](i)
+        cols[f"{name}_std"], cols[f"{name}_norm"] = std, np.sqrt(sums[k][:, 1])
+    if present[2]:
+        for i in np.flatnonzero(~np.isfinite(sums[2]).all(1)):  # non-finite sums: count the elements
+            grad_nonfinite[i] = count_nonfinite(i)
+    return cols, grad_nonfinite
+
+
+def _with_ratios(cols: dict, grad_nonfinite: np.ndarray) -> dict[str, np.ndarray]:
     return {UPDATE_TO_DATA: update_to_data(cols["update_std"], cols["param_std"]),
             GRAD_TO_DATA: grad_to_data(cols["grad_std"], cols["param_std"]), **cols, "grad_nonfinite": grad_nonfinite}
 
@@ -154,20 +203,89 @@ def _rows_ratios(p, rows: slice) -> dict[str, np.ndarray]:
     return block_ratios(*data, rows.stop - rows.start)
 
 
+def _long_row_ratios(p, row: int, elements: int) -> dict[str, np.ndarray]:
+    """block_ratios of one row of a parameter larger than a block, read with ``read_part`` at most `elements` of
+    each kind at a time: memory is bounded by the block, not by the parameter.
+
+    The sums are the whole row's to the bit (RowSums reduces the same SUM_CHUNK numbers in the same order however
+    the row is split). The two rare extra passes read the row again block by block: the std of a row whose sums
+    cancel is the two-pass std about the mean of the first pass (equal to ``torch.std`` of the whole row to float64
+    rounding), and a gradient whose sums are not finite has its NaN/Inf elements counted."""
+    from ..replay.blocks import element_blocks  # a contiguous run of elements per index, as verify reads them
+
+    kinds = [k if k in p.kinds else None for k in (schema.KIND_PARAM, schema.KIND_PARAM_AFTER, schema.KIND_GRAD)]
+    if kinds[0] is None:
+        kinds[1] = None  # no update without the parameter before the step
+    if kinds[0] is None and kinds[2] is None:
+        return block_ratios(None, None, None, 1)
+    indexes = element_blocks(p.stored_shape(kinds[0] or kinds[2]), elements)
+    rows = slice(row, row + 1)
+
+    def pieces(wanted=(0, 1, 2)):
+        """[parameter, parameter after, gradient] (flat, stored dtype; None: absent or not wanted) of each block."""
+        for index in indexes:
+            yield [None if kind is None or k not in wanted else real_numbers(p.read_part(kind, rows, index)).reshape(-1)
+                   for k, kind in enumerate(kinds)]
+
+    acc = RowSums()
+    for before, after, grad in pieces():
+        acc.add(before, after, grad)
+    sums, n = acc.sums()[:, None, :], acc.numbers
+
+    def two_pass_std(k: int) -> float:
+        if n < 2:
+            return math.nan
+        mean, squares = sums[k, 0, 0] / n, 0.0
+        for before, after, grad in pieces((0, 1) if k == 1 else (k,)):
+            x = after.double() - before.double() if k == 1 else (before if k == 0 else grad).double()
+            squares += float(x.sub_(mean).square_().sum())
+        return math.sqrt(squares / (n - 1))
+
+    cols, grad_nonfinite = _stats_from_sums(
+        sums, n, tuple(kind is not None for kind in kinds), {k: (lambda i, k=k: two_pass_std(k)) for k in range(3)},
+        lambda i: sum(int((~torch.isfinite(grad)).sum()) for _, _, grad in pieces((2,))))
+    return _with_ratios(cols, grad_nonfinite)
+
+
+@contextlib.contextmanager
+def one_torch_thread():
+    """torch's operations on one thread meanwhile. The sums run on chunks of SUM_CHUNK numbers, too small for
+    torch's thread pool to pay off: its threads spin and wake per operation, and on a busy 2-core machine that made
+    the ratios of a 720 MB run cost 22 s of CPU instead of 4-5 s (docs/performance.md, "Reading cost")."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
+
+
 def ratios_frame(run, block_bytes: int) -> pd.DataFrame:
     """The ratio table of every full-tensor record: one row per (optimizer, parameter, record), built as one
     DataFrame from the columns of every block (not one DataFrame per block)."""
+    with one_torch_thread():
+        return _ratios_frame(run, block_bytes)
+
+
+def _ratios_frame(run, block_bytes: int) -> pd.DataFrame:
+    from ..replay.blocks import BLOCK_ELEMENTS
+
     parts = []  # (optimizer, param, numel, records, steps, lr, stats)
     kinds = (schema.KIND_PARAM, schema.KIND_PARAM_AFTER, schema.KIND_GRAD)
+    # Elements of one row read per kind at once, at most verify's block: a larger row is read in parts (reading
+    # through the checked file object holds about two copies of what is read, and smaller reads stay in the cache).
+    elements = max(1, min(block_bytes // (4 * 3), BLOCK_ELEMENTS))
     for opt in run.optimizers:
         lrs = opt.learning_rates
         for p in opt.param_records.values():
             if p.num_rows == 0:
                 continue
-            if hasattr(p, "read_part"):  # one file: rows read together, in the stored dtype, summed in chunks
+            if hasattr(p, "read_part") and p.numel <= elements:  # one file: rows read together, in the stored dtype
                 per_read = max(1, block_bytes // (4 * 3 * max(1, p.numel)))
                 blocks = ((rows, _rows_ratios(p, rows)) for rows in
                           (slice(lo, min(lo + per_read, p.num_rows)) for lo in range(0, p.num_rows, per_read)))
+            elif hasattr(p, "read_part"):  # a row larger than a block: each row read a block of elements at a time
+                blocks = ((slice(i, i + 1), _long_row_ratios(p, i, elements)) for i in range(p.num_rows))
             else:  # a distributed job's stitched parameter
                 blocks = ((rows, block_ratios(block.get(schema.KIND_PARAM), block.get(schema.KIND_PARAM_AFTER),
                                               block.get(schema.KIND_GRAD), rows.stop - rows.start))

@@ -50,14 +50,14 @@ def status_of(median: float, shape, thresholds: Thresholds) -> str:
     return "ok"
 
 
-def _finite_median(values: pd.Series) -> float:
+def _finite_median(values: np.ndarray) -> float:
     finite = values[np.isfinite(values)]
-    return float(finite.median()) if len(finite) else float("nan")
+    return float(np.median(finite)) if len(finite) else float("nan")
 
 
-def _finite_last(values: pd.Series) -> float:
+def _finite_last(values: np.ndarray) -> float:
     finite = values[np.isfinite(values)]
-    return float(finite.iloc[-1]) if len(finite) else float("nan")
+    return float(finite[-1]) if len(finite) else float("nan")
 
 
 def model_order_keys(params: pd.DataFrame, ratios: pd.DataFrame | None = None) -> list[tuple[int, str]]:
@@ -75,20 +75,28 @@ def summarize(ratios: pd.DataFrame, params: pd.DataFrame, thresholds: Thresholds
     """One row per parameter, in model order: latest and median ratios over all records, NaN/Inf gradient steps,
     and a status (ok / HIGH / LOW / n/a) judged on the median update:data ratio."""
     shapes = {(r.optimizer, r.param): tuple(r.shape) for r in params.itertuples()}
-    position = {k: i for i, k in enumerate(model_order_keys(params, ratios))}
+    keys = model_order_keys(params, ratios)
+    position = {k: i for i, k in enumerate(keys)}
+    # Every parameter's rows together, in model order, each in record order (a stable sort: rows of one record, as
+    # the statistics give them, keep their order): one pass of array slices, not a DataFrame per parameter.
+    at = np.fromiter((position[k] for k in zip(ratios["optimizer"], ratios["param"])), np.int64, len(ratios))
+    order = np.lexsort((ratios["record"].to_numpy(), at))
+    at = at[order]
+    column = {c: ratios[c].to_numpy()[order] for c in ("update_to_data", "grad_to_data", "grad_nonfinite", "step")}
+    starts = np.flatnonzero(np.r_[True, at[1:] != at[:-1]]) if len(at) else np.zeros(0, np.int64)
     rows = []
-    groups = ratios.groupby(["optimizer", "param"], sort=False)
-    for (opt, name), df in sorted(groups, key=lambda item: position[item[0]]):
-        df = df.sort_values("record")
-        median = _finite_median(df["update_to_data"])
-        bad = df[df["grad_nonfinite"] > 0]
+    for lo, hi in zip(starts, [*starts[1:], len(at)]):
+        opt, name = keys[at[lo]]
+        u2d, g2d = column["update_to_data"][lo:hi], column["grad_to_data"][lo:hi]
+        bad_steps = column["step"][lo:hi][column["grad_nonfinite"][lo:hi] > 0]
+        median = _finite_median(u2d)
         shape = shapes.get((opt, name), ())
         rows.append({
-            "optimizer": opt, "param": name, "shape": "x".join(map(str, shape)) or "scalar", "records": len(df),
-            "latest_update_to_data": _finite_last(df["update_to_data"]), "median_update_to_data": median,
-            "latest_grad_to_data": _finite_last(df["grad_to_data"]),
-            "median_grad_to_data": _finite_median(df["grad_to_data"]),
-            "nonfinite_grad_steps": len(bad), "first_nonfinite_step": int(bad["step"].min()) if len(bad) else None,
+            "optimizer": opt, "param": name, "shape": "x".join(map(str, shape)) or "scalar", "records": hi - lo,
+            "latest_update_to_data": _finite_last(u2d), "median_update_to_data": median,
+            "latest_grad_to_data": _finite_last(g2d), "median_grad_to_data": _finite_median(g2d),
+            "nonfinite_grad_steps": len(bad_steps), "first_nonfinite_step": int(bad_steps.min()) if len(bad_steps)
+            else None,
             "status": status_of(median, shape, thresholds),
         })
     return pd.DataFrame(rows, columns=SUMMARY_COLUMNS)

@@ -285,7 +285,10 @@ class ParamRecord(ParamHistory):
             dtype = (self._storage.state_dtypes.get(state_key) if state_key is not None else
                      self._storage[kind] if kind in self._storage else self._checked(kind))
             with self._reading(repr(kind)):
-                handles[kind] = (self._group[kind], dtype or "float32")
+                # a tensor kind was checked (a hard link to a dataset of its declared dtype) by _storage just above:
+                # opened without h5py's group[name], a third of the cost of reading a small parameter's rows
+                ds = self._check.open_checked(self._group, kind) if kind in schema.TENSOR_KINDS else self._group[kind]
+                handles[kind] = (ds, dtype or "float32")
         return handles[kind]
 
     def stored_shape(self, kind: str) -> tuple:
@@ -672,7 +675,9 @@ class Run(RunReader):
 
         source: "tensors" computes them from the full tensors (streamed in bounded blocks: a large run is never
         loaded whole); "stats" reads the per-step statistics table; "auto" (default) uses, per optimizer, whichever
-        covers more steps (statistics every step beat full tensors every 500th).
+        covers more steps (statistics every step beat full tensors every 500th). From the tensors, torch runs on
+        one thread (torch.set_num_threads, restored when done): the sums are taken in chunks too small for its
+        thread pool to pay off.
         """
         from ..analyzer.ratio_table import ratios_table  # imports torch, which listing a run does not need
 

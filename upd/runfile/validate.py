@@ -172,6 +172,11 @@ class Validator:
             return h5py.Dataset(oid, readonly=self._readonly)
         return group[name]  # a named datatype (refused by the caller) or anything else: h5py's own wrapping
 
+    def open_checked(self, group: h5py.Group, name: str):
+        """group[name] for a member this validator has already checked (a hard link to an object of the expected
+        kind): opened the cheap way (_open)."""
+        return self._open(group, name)
+
     def members(self, group: h5py.Group, where: str) -> list[str]:
         with self.reading(where):
             names = list(group)
@@ -638,7 +643,7 @@ class ParamDatasets:
             reads.append((ds, rows, at))
         if self.state_keys:
             decl = schema.STATE.datasets[0]
-            state = self._group[schema.STATE_GROUP]
+            state = check.open_checked(self._group, schema.STATE_GROUP)  # a hard-linked group: checked at __init__
             for key in self.state_keys:
                 at = f"{where}: state {key!r}"
                 ds = check.declared(state, decl, at, name=key)
