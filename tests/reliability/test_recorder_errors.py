@@ -18,6 +18,7 @@ from tests.harness.training import assert_same_params, mlp, no_hooks_left, train
 
 # -- recorder errors never kill training ------------------------------------------------------------------------
 def _failing_write(monkeypatch, fail_on_call: int):
+    monkeypatch.setattr("upd.runfile.async_writer.FULL_BATCH", 1)  # the failing call is one record
     real = RunWriter.write
     calls = {"n": 0}
 
@@ -61,6 +62,7 @@ def test_error_in_the_middle_of_a_record_leaves_only_committed_records(tmp_path,
     real = Rows.write_tensor
     calls = {"n": 0}
     per_record = 4 * 3  # SGD without momentum: param, grad, param_after for each of the 4 params
+    monkeypatch.setattr("upd.runfile.async_writer.FULL_BATCH", 1)  # one record a call: counts per record
 
     def write_tensor(self, row, tensor):
         calls["n"] += 1

@@ -115,6 +115,7 @@ class DiskFull(OSError):
 
 def failing_writes(monkeypatch, fail_at):
     """RunWriter.write raises at its fail_at-th call (1-based); returns the exception object."""
+    monkeypatch.setattr("upd.runfile.async_writer.FULL_BATCH", 1)  # the failing call is one record
     original = RunWriter.write
     calls = []
     error = DiskFull("no space left on device (injected)")
@@ -256,6 +257,7 @@ def test_recorder_resume_through_async_writer(tmp_path, monkeypatch):
 
 
 def test_every_hdf5_call_runs_on_the_one_writer_thread(tmp_path, monkeypatch):
+    monkeypatch.setattr("upd.runfile.async_writer.FULL_BATCH", 1)  # one call per record
     threads = []
     for name in ("__init__", "add_optimizer", "set_attr", "write", "last_step", "close"):
         def spy(self, *args, _original=getattr(RunWriter, name), **kwargs):

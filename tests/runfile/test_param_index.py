@@ -200,11 +200,11 @@ def test_no_index_is_written_over_a_record_that_was_never_committed(tmp_path, mo
     writer.write(record(0))
     real_write, calls = full_rows.ParamRows.write, []
 
-    def fails_at_the_second_parameter(self, snap, rec):
+    def fails_at_the_second_parameter(self, snap, rec, **more):
         calls.append(snap.name)
         if len(calls) == 2:
             raise OSError("disk went away")
-        return real_write(self, snap, rec)
+        return real_write(self, snap, rec, **more)
 
     monkeypatch.setattr(full_rows.ParamRows, "write", fails_at_the_second_parameter)
     with pytest.raises(OSError):

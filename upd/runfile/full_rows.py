@@ -8,7 +8,10 @@ busy machine, whatever the record's size, against 1-3 ms for ``numpy.tofile`` of
 (docs/performance.md, "Full records at every step"). Here every dataset
 is looked up once, its row count and row shape are kept, and a row is one ``set_extent`` and one write: a
 ``write_direct_chunk`` of the tensor's own bytes where the dataset holds one uncompressed chunk per row (no
-selection, no conversion, no chunk-cache copy), else a low-level write of a one-row hyperslab.
+selection, no conversion, no chunk-cache copy), else a low-level write of a one-row hyperslab. Several records
+written with one commit (the writer thread takes the full records queued behind the one it writes) grow each
+dataset once, and their small rows (record index, state mask, 0-d state, the record table) are one write per
+dataset: the number of HDF5 calls per record, not the bytes, is what a small record costs.
 
 The logged-scalars table, written with every record that carries scalars, is kept the same way (``ScalarRows``).
 
@@ -33,10 +36,13 @@ if TYPE_CHECKING:
 class Rows:
     """A dataset the writer appends to row by row: its handle, row count and row shape, read once."""
 
-    __slots__ = ("ds", "rows", "row_shape", "dtype", "stored_as", "direct", "_origin", "_memory", "_mtype")
+    __slots__ = ("ds", "id", "rows", "row_shape", "dtype", "stored_as", "direct", "_origin", "_memory", "_mtype",
+                 "_fspace")
 
     def __init__(self, ds: h5py.Dataset):
         self.ds = ds
+        self.id = ds.id  # the low-level handle, kept: ds.id is a property call per use
+        self._fspace = self.id.get_space()  # the file's dataspace, made again only when the extent changes
         shape = ds.shape
         self.rows = shape[0]
         self.row_shape = tuple(shape[1:])
@@ -51,13 +57,15 @@ class Rows:
 
     def _extend(self, row: int) -> None:
         if self.rows <= row:
-            self.ds.id.set_extent((row + 1, *self.row_shape))
+            self.id.set_extent((row + 1, *self.row_shape))
             self.rows = row + 1
+            self._fspace = self.id.get_space()
 
     def widen(self, columns: int) -> None:
         """Grow a 2-D table's column axis (param groups of lr, state keys of state_present) to `columns`."""
         if self.row_shape[0] < columns:
-            self.ds.id.set_extent((self.rows, columns))
+            self.id.set_extent((self.rows, columns))
+            self._fspace = self.id.get_space()
             self.row_shape = (columns,)
             self._shape_rows()
 
@@ -76,11 +84,11 @@ class Rows:
         if not array.size:  # a rank's empty shard: the row exists, it holds nothing
             return
         if self.direct and array.flags.c_contiguous:
-            self.ds.id.write_direct_chunk((row, *self._origin), array)
+            self.id.write_direct_chunk((row, *self._origin), array)
             return
-        fspace = self.ds.id.get_space()
+        fspace = self._fspace
         fspace.select_hyperslab((row, *self._origin), (1, *self.row_shape))
-        self.ds.id.write(self._memory, fspace, array.reshape((1, *self.row_shape)), self._mtype)
+        self.id.write(self._memory, fspace, array.reshape((1, *self.row_shape)), self._mtype)
 
     def write_rows(self, start: int, values) -> None:
         """Write rows start, start + 1, ... from an array of them (a batch's), with one write."""
@@ -93,16 +101,40 @@ class Rows:
         self._extend(start + len(array) - 1)
         if not array.size:  # rows of no columns: they exist, they hold nothing
             return
-        fspace = self.ds.id.get_space()
+        fspace = self._fspace
         fspace.select_hyperslab((start, *self._origin), array.shape)
-        self.ds.id.write(h5s.create_simple(array.shape), fspace, array, self._mtype)
+        self.id.write(h5s.create_simple(array.shape), fspace, array, self._mtype)
 
-    def write_tensor(self, row: int, tensor: torch.Tensor) -> None:
-        """Write a tensor as the dataset stores it (its ``torch_dtype`` attribute: bfloat16 as raw bits)."""
+    def write_block(self, start: int, values) -> None:
+        """Write rows start, start + 1, ... (one row: through the selection kept for it)."""
+        if len(values) == 1:
+            self.write(start, values[0])
+        else:
+            self.write_rows(start, values)
+
+    def _stored(self, tensor: torch.Tensor) -> np.ndarray:
         array = encoding.tensor_to_numpy(tensor, self.stored_as)
         if array.dtype != self.dtype:  # a tensor of another dtype under the same name: converted, as h5py would
             array = array.astype(self.dtype)
-        self.write(row, array)
+        return array
+
+    def write_tensor(self, row: int, tensor: torch.Tensor) -> None:
+        """Write a tensor as the dataset stores it (its ``torch_dtype`` attribute: bfloat16 as raw bits)."""
+        self.write(row, self._stored(tensor))
+
+    def write_tensors(self, rows: list) -> None:
+        """Write (row, tensor) pairs of several records: the dataset grows once; scalar rows (0-d tensors, such as
+        a step count) in consecutive rows are one write."""
+        if len(rows) == 1:
+            self.write_tensor(*rows[0])
+            return
+        self._extend(rows[-1][0])
+        first = rows[0][0]
+        if not self.row_shape and rows[-1][0] - first == len(rows) - 1:
+            self.write_rows(first, np.array([self._stored(tensor) for _, tensor in rows]))
+            return
+        for row, tensor in rows:
+            self.write_tensor(row, tensor)
 
 
 OpenTensor = Callable[[h5py.Group, str, "torch.Tensor", int, "str | None"], h5py.Dataset]
@@ -134,35 +166,42 @@ class ParamRows:
             found = kept[name] = Rows(self._open_tensor(group, name, tensor, row, storage))
         return found
 
-    def write(self, snap: ParamSnapshot, record: int) -> list | None:
-        """Append the parameter's row of record `record`; return its state keys when the snapshot has state."""
+    def write(self, snap: ParamSnapshot, record: int, more: list = ()) -> list | None:
+        """Append the parameter's row of record `record`, and one row per (snapshot, record) of `more` (the same
+        parameter in the records that follow, written together: each dataset grows once, small rows are one write
+        each); return its state keys when a snapshot has state."""
+        items = [(snap, record), *more]
         row = self.rows
-        for kind, tensor in zip(schema.TENSOR_KINDS, (snap.param, snap.grad, snap.param_after)):
-            if tensor is not None:
-                self._dataset(self._tensors, self.group, kind, tensor, row, None).write_tensor(row, tensor)
+        for k, kind in enumerate(schema.TENSOR_KINDS):
+            rows = [(row + i, tensor) for i, (s, _) in enumerate(items)
+                    if (tensor := (s.param, s.grad, s.param_after)[k]) is not None]
+            if rows:
+                self._dataset(self._tensors, self.group, kind, rows[0][1], rows[0][0], None).write_tensors(rows)
         keys = None
-        if snap.state:
-            keys = self._write_state(row, snap.state)
+        states = [s.state for s, _ in items]
+        if any(states):
+            keys = self._write_state(row, states)
         elif self.state_present.row_shape[0]:
-            self.state_present.write(row, np.zeros(self.state_present.row_shape, "u1"))
-        self.record_index.write(row, record)
+            self.state_present.write_block(row, np.zeros((len(items), *self.state_present.row_shape), "u1"))
+        self.record_index.write_block(row, np.array([r for _, r in items], np.int64))
         return keys
 
-    def _write_state(self, row: int, state: dict) -> list:
+    def _write_state(self, row: int, states: list) -> list:
+        """The state rows of consecutive rows from `row`, one state dict (maybe empty) per row."""
         keys = self.state_keys
-        new = [key for key in state if key not in keys]
+        new = list(dict.fromkeys(key for state in states for key in state if key not in keys))
         if new:
             keys.extend(new)
             self.state_present.widen(len(keys))
             self.state_group.attrs[schema.STATE_KEYS] = encoding.to_json(keys)
-        present = np.zeros(len(keys), "u1")
-        for i, key in enumerate(keys):
-            tensor = state.get(key)
-            if tensor is not None:
-                storage = encoding.state_storage_dtype(tensor, self._storage_dtype)
-                self._dataset(self._state, self.state_group, key, tensor, row, storage).write_tensor(row, tensor)
-                present[i] = 1
-        self.state_present.write(row, present)
+        present = np.zeros((len(states), len(keys)), "u1")
+        for k, key in enumerate(keys):
+            rows = [(row + i, tensor) for i, state in enumerate(states) if (tensor := state.get(key)) is not None]
+            if rows:
+                storage = encoding.state_storage_dtype(rows[0][1], self._storage_dtype)
+                self._dataset(self._state, self.state_group, key, rows[0][1], rows[0][0], storage).write_tensors(rows)
+                present[[r - row for r, _ in rows], k] = 1
+        self.state_present.write_block(row, present)
         return keys
 
 
@@ -178,22 +217,23 @@ class RecordRows:
         # Optional: a resumed run written before it existed goes on without it.
         self.closure_losses = Rows(records[schema.CLOSURE_LOSSES]) if schema.CLOSURE_LOSSES in records else None
 
-    def write(self, record: int, rec: Record) -> None:
-        """The record's row of every column but the commit column."""
-        self.backward_pass.write(record, rec.backward_pass)
-        self.wall_time.write(record, rec.wall_time)
-        self.hparams.write(record, encoding.to_json(rec.hparams))
+    def write(self, first: int, recs: list[Record]) -> None:
+        """The rows of records first, first + 1, ... (`recs`, in order) of every column but the commit column."""
+        self.backward_pass.write_block(first, np.array([rec.backward_pass for rec in recs], np.int64))
+        self.wall_time.write_block(first, np.array([rec.wall_time for rec in recs], np.float64))
+        self.hparams.write_block(first, [encoding.to_json(rec.hparams) for rec in recs])
         if self.closure_losses is not None:
-            self.closure_losses.write(record, encoding.to_json(rec.closure_losses))
+            self.closure_losses.write_block(first, [encoding.to_json(rec.closure_losses) for rec in recs])
         # One lr per param group; the group axis grows with add_param_group, NaN for groups absent from a record.
-        self.lr.widen(len(rec.hparams))
-        lr_row = np.full(self.lr.row_shape, np.nan)
-        lr_row[: len(rec.hparams)] = [encoding.lr_of(g) for g in rec.hparams]
-        self.lr.write(record, lr_row)
+        self.lr.widen(max(len(rec.hparams) for rec in recs))
+        lr_rows = np.full((len(recs), *self.lr.row_shape), np.nan)
+        for i, rec in enumerate(recs):
+            lr_rows[i, : len(rec.hparams)] = [encoding.lr_of(g) for g in rec.hparams]
+        self.lr.write_block(first, lr_rows)
 
-    def commit(self, record: int, step: int) -> None:
-        """Append the record's step: readers see the record from the flush that follows."""
-        self.step.write(record, step)
+    def commit(self, first: int, steps: list) -> None:
+        """Append the steps of records first, first + 1, ...: readers see them from the flush that follows."""
+        self.step.write_block(first, np.array(steps, np.int64))
 
 
 class ScalarRows:

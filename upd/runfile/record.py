@@ -6,6 +6,7 @@ stays inside the recorder. Every field here ends up in the file.
 """
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
 
 import torch
@@ -69,7 +70,9 @@ class Record:
     params: list[ParamSnapshot]
     closure_losses: list | None = None  # step(closure): the loss of each closure evaluation, in order; else None
     full: bool = True  # the full tensors of `params` are written (a statistics-only record ignores them)
-    stats: dict | None = None  # per-parameter summary statistics {name: {column: value}} at a statistics step
+    # per-parameter summary statistics {name: {column: value}} at a statistics step: a dict, or the lean set's table
+    # (stats_table.StatsRows, a Mapping that reads the same)
+    stats: Mapping | None = None
     stats_meta: dict = field(default_factory=dict)  # {name: {shape, dtype, group, index_in_group}} of those params
     # Logged scalars read to the host so far, for the scalars table: (step, wall_time, {name: float}) per step. A
     # record may carry only these (full=False, stats=None): steps that logged values but wrote nothing else.

@@ -307,20 +307,23 @@ class RunWriter:
 
     def write(self, rec: Record | list) -> None:
         """Write one step (full tensors, statistics, or both) with the commit protocol; or a list of steps in one
-        go (AsyncRunWriter batches statistics-only steps): all their rows, one flush, all their commits, one flush."""
+        go (AsyncRunWriter batches statistics-only steps, and full records already queued): all their rows, one
+        flush, all their commits, one flush. A kill at any moment leaves each of them wholly committed or absent."""
         recs = rec if isinstance(rec, list) else [rec]
         self._check_still_there()
         need = sum(self._check_space(r) for r in recs)
         self._locks.begin()  # the reservation changes the file's length: a live reader must not be copying it
         self._reserve(need)
-        stats, scalars = {}, {}  # optimizer -> its statistics records / logged-scalar rows, in order
+        full, stats, scalars = {}, {}, {}  # optimizer -> its full records / statistics records / scalar rows, in order
         for rec in recs:
             if rec.full:
-                self._write_full(rec)
+                full.setdefault(rec.optimizer, []).append(rec)
             if rec.stats is not None:
                 stats.setdefault(rec.optimizer, []).append(rec)
             if rec.scalars:
                 scalars.setdefault(rec.optimizer, []).extend(rec.scalars)
+        for index, batch in full.items():
+            self._write_full(index, batch)
         scalar_blocks = [SimpleNamespace(optimizer=index, scalars=rows) for index, rows in scalars.items()]
         for block in scalar_blocks:
             self._write_scalars(block)
@@ -331,10 +334,9 @@ class RunWriter:
         # The commit: a record exists for readers once its step is appended, and only after its rows are durable.
         for index, rows in stats.items():
             self._stats_table(index).commit(rows)
-        for rec in recs:
-            if rec.full:
-                self._records_of(rec.optimizer).commit(self._records_written[rec.optimizer], rec.step)
-                self._records_written[rec.optimizer] += 1
+        for index, batch in full.items():
+            self._records_of(index).commit(self._records_written[index], [rec.step for rec in batch])
+            self._records_written[index] += len(batch)
         for block in scalar_blocks:
             self._commit_scalars(block)
         self._flushed()
@@ -372,16 +374,24 @@ class RunWriter:
             found = self._record_rows[optimizer] = RecordRows(self._optimizer(optimizer)[schema.RECORDS])
         return found
 
-    def _write_full(self, rec: Record) -> None:
-        record = self._records_written[rec.optimizer]
-        for snap in rec.params:
-            rows = self._param_rows.get((rec.optimizer, snap.name))
+    def _write_full(self, optimizer: int, recs: list[Record]) -> None:
+        """The rows of full records of one optimizer, in order (the records that follow its committed ones): each
+        parameter's rows of all of them together, then the record table's (full_rows.py)."""
+        first = self._records_written[optimizer]
+        by_param: dict[str, list] = {}  # parameter name -> (snapshot, record) of each record holding it
+        for i, rec in enumerate(recs):
+            for snap in rec.params:
+                by_param.setdefault(snap.name, []).append((snap, first + i))
+        for name, items in by_param.items():
+            rows = self._param_rows.get((optimizer, name))
             if rows is None:
-                rows = self._param_rows[rec.optimizer, snap.name] = ParamRows(
-                    self._param_group(rec.optimizer, snap), self._tensor_dataset, self.storage_dtype)
-            state_keys = rows.write(snap, record)
-            self._index_row(rec.optimizer, record, snap, rows.rows, state_keys)
-        self._records_of(rec.optimizer).write(record, rec)
+                rows = self._param_rows[optimizer, name] = ParamRows(
+                    self._param_group(optimizer, items[0][0]), self._tensor_dataset, self.storage_dtype)
+            row = rows.rows
+            state_keys = rows.write(*items[0], more=items[1:])
+            for i, (snap, record) in enumerate(items):
+                self._index_row(optimizer, record, snap, row + i + 1, state_keys)
+        self._records_of(optimizer).write(first, recs)
 
     def _index_row(self, optimizer: int, record: int, snap: ParamSnapshot, rows: int, state_keys) -> None:
         """The parameter index after a row of `snap` was written (the index is written at close)."""
