@@ -44,6 +44,16 @@ def source_notes(ratios: pd.DataFrame, full_steps, hist_steps: list[int]) -> lis
     return notes
 
 
+def sample_notes(ratios: pd.DataFrame, options: dict) -> list[str]:
+    """That the per-step statistics are estimates, when the run recorded them from samples (stats_sample)."""
+    sample = options.get("stats_sample")
+    if not isinstance(sample, int) or isinstance(sample, bool) or sample < 1 or not (
+            len(ratios) and (ratios["record"] == -1).any()):  # a file's own text: only a sample size is shown
+        return []
+    return [f"statistics estimated from a sample of {sample} elements of each tensor larger than that "
+            f"(stats_sample={sample}; docs/performance.md gives the error), exact for the others and at full-set steps"]
+
+
 def analyze(run, out_dir=None, *, thresholds: Thresholds = Thresholds(), hist_step: int | None = None,
             all_params: bool = False, plots: bool | None = None) -> Analysis:
     """Compute ratios and the summary of a run (path, or an open Run or Job).
@@ -78,7 +88,7 @@ def analyze(run, out_dir=None, *, thresholds: Thresholds = Thresholds(), hist_st
                 written.append(path)
             write_csv(summary, os.path.join(out_dir, SUMMARY_CSV))  # spreadsheet-safe cells
         return Analysis(ratios=ratios, summary=summary, plots=written, images=images, hist_steps=hist_steps,
-                        notes=source_notes(ratios, full_steps, hist_steps))
+                        notes=source_notes(ratios, full_steps, hist_steps) + sample_notes(ratios, run.options))
     finally:
         if own:
             run.close()

@@ -50,6 +50,8 @@ def info(run, as_json):
     opts = desc["options"]
     click.echo(f"  options: every={opts.get('every')} stats_every={opts.get('stats_every')} what={','.join(opts.get('what', []))} "
                f"dtype={opts.get('dtype')} compression={opts.get('compression')}"
+               + (f" stats_sample={opts['stats_sample']} (statistics estimated from a sample of that many elements "
+                  f"of each larger tensor)" if opts.get("stats_sample") else "")
                + (f" include={opts['include']}" if opts.get("include") else "")
                + (f" exclude={opts['exclude']}" if opts.get("exclude") else ""))
     for rank in job["ranks"] if job else []:

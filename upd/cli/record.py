@@ -85,6 +85,8 @@ class _RecordCommand(click.Command):
               help="Full tensors every N-th optimizer step ('never': statistics or flight recorder only).")
 @click.option("--stats-every", type=_Never(), default="never", show_default=True,
               help="Summary statistics every N-th step.")
+@click.option("--stats-sample", type=int, default=None, metavar="K",
+              help="Estimate the statistics of each tensor of more than K elements from K of them (default: exact).")
 @click.option("--include", multiple=True, metavar="GLOB", help="Record only parameters whose name matches (repeatable).")
 @click.option("--exclude", multiple=True, metavar="GLOB", help="Skip parameters whose name matches (repeatable).")
 @click.option("--what", multiple=True, type=click.Choice(schema.WHAT_CHOICES),
@@ -106,8 +108,8 @@ class _RecordCommand(click.Command):
 @click.option("--resume", is_flag=True, help="Append to RUN (training restarted from a checkpoint).")
 @click.option("--strict", is_flag=True, help="A recorder error stops the program instead of the recording.")
 @click.pass_context
-def record(ctx, run, every, stats_every, include, exclude, what, dtype, compression, tensorboard, zero_counts,
-           flight_recorder, spike_factor, ranks, overwrite, resume, strict):
+def record(ctx, run, every, stats_every, stats_sample, include, exclude, what, dtype, compression, tensorboard,
+           zero_counts, flight_recorder, spike_factor, ranks, overwrite, resume, strict):
     """Record every torch.optim optimizer that COMMAND creates into RUN, without editing COMMAND.
 
     \b
@@ -164,7 +166,8 @@ def record(ctx, run, every, stats_every, include, exclude, what, dtype, compress
         fail("no command to record: put it after --, as in: upd record runs/x.h5 -- python train.py")
     if overwrite and resume:
         fail("pass --overwrite or --resume, not both")
-    options = {"every": every, "stats_every": stats_every, "include": list(include), "exclude": list(exclude),
+    options = {"every": every, "stats_every": stats_every, "stats_sample": stats_sample, "include": list(include),
+               "exclude": list(exclude),
                "what": list(what or schema.WHAT_CHOICES), "dtype": dtype, "compression": compression,
                "tensorboard": os.path.abspath(tensorboard) if tensorboard else None,
                "zero_counts": list(zero_counts or ("grad",)), "flight_recorder": flight_recorder,

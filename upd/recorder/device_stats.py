@@ -24,6 +24,7 @@ import numpy as np
 import torch
 
 from ..ratios import GRAD_TO_DATA, UPDATE_TO_DATA, grad_to_data, update_to_data
+from ..runfile.stats_table import StatsRows
 
 # Statistics of one tensor, in this order (columns "<kind>_<stat>" in the run file).
 STATS = ("mean", "std", "norm", "absmax", "zero_frac", "nonfinite")
@@ -376,8 +377,9 @@ class LeanStep:
                 p, g = params[i], grads[i]
                 buffer.copy_(p)
                 # Each tensor's passes run back to back, while it is still in the cache.
-                reductions += [p.sum(dtype=torch.float32), torch.linalg.vector_norm(p, dtype=torch.float32),
-                               g.sum(dtype=torch.float32), torch.linalg.vector_norm(g, dtype=torch.float32)]
+                pa, ga = _accumulation(p), _accumulation(g)
+                reductions += [p.sum(dtype=pa), torch.linalg.vector_norm(p, dtype=pa),
+                               g.sum(dtype=ga), torch.linalg.vector_norm(g, dtype=ga)]
             if reductions:
                 self.large_before = torch.stack(reductions)
                 grad_norms.append(torch.linalg.vector_norm(self.large_before[3::4], dtype=torch.float64))
@@ -392,6 +394,20 @@ class LeanStep:
         return [local_part(q.detach()) for q in self.live]
 
     def read(self) -> dict[str, dict[str, float]]:
+        parts = self.launch_after()
+        with torch.no_grad():  # the one synchronisation of the step
+            host = (torch.cat([p.double() for p in parts]) if len(parts) > 1 else parts[0]).cpu().numpy() \
+                if parts else np.zeros(0)
+        return self.rows(host)
+
+    def rows(self, host: np.ndarray) -> dict[str, dict[str, float]]:
+        """The result of ``read`` from the host copy of ``launch_after``'s tensors (concatenated, float64)."""
+        # Read as {name: {column: value}}; the writer copies the table as it is (StatsRows).
+        return StatsRows(self.names, LEAN_COLUMNS, self._table(host))
+
+    def launch_after(self) -> list[torch.Tensor]:
+        """After the step: form the updates and launch their reductions. Returns the device tensors whose
+        concatenation ``rows`` reads (a caller may copy them to the host together with its own)."""
         pool, small, large = self.pool, self.pool.small, self.pool.large
         with torch.no_grad():
             after = self._after()
@@ -407,14 +423,11 @@ class LeanStep:
             reductions = []
             for buffer, i in zip(pool.buffers, large):
                 buffer.sub_(after[i])
-                reductions += [buffer.sum(dtype=torch.float32), torch.linalg.vector_norm(buffer, dtype=torch.float32)]
+                acc = _accumulation(buffer)
+                reductions += [buffer.sum(dtype=acc), torch.linalg.vector_norm(buffer, dtype=acc)]
             if reductions:
                 parts += [self.large_before, torch.stack(reductions)]
-            # the one synchronisation of the step
-            host = (torch.cat([p.double() for p in parts]) if len(parts) > 1 else parts[0]).cpu().numpy() \
-                if parts else np.zeros(0)
-        table = self._table(host)
-        return {name: dict(zip(LEAN_COLUMNS, row)) for name, row in zip(self.names, table.tolist())}
+        return parts
 
     def _table(self, host: np.ndarray) -> np.ndarray:
         """(P, len(LEAN_COLUMNS)) rows: each parameter's lean statistics and its two ratios, from the host copy."""
@@ -465,6 +478,12 @@ class LeanStep:
             targets.append((k, i))
         for (k, i), c in zip(targets, torch.stack(tensors).cpu().tolist()):
             counts[k, i] = float(c)
+
+
+def _accumulation(t: torch.Tensor) -> torch.dtype:
+    """The dtype a large tensor's sum and norm accumulate in: float32, or float64 for a float64 tensor
+    (vector_norm refuses to narrow)."""
+    return torch.float64 if t.dtype == torch.float64 else torch.float32
 
 
 def _local_part():

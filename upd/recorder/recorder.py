@@ -31,6 +31,7 @@ from .job_scalars import JobScalars, Slot
 from .options import check_record_options
 from .naming import ParamNames, is_selected, model_names, named_parameters, patterns, uncompiled
 from .resume import has_step_counter, initial_step, resume_problems
+from .sampled_stats import SampledPool, SampledStep
 from .snapshots import (cpu_copy, dense, dtensor_class, hparams_snapshot, local_part, refuse_unlike_param,
                         shard_layout, state_snapshot)
 
@@ -92,10 +93,11 @@ class Recorder:
                  full_stats_every: int | None = 100,
                  flight_recorder: int | None = None,
                  spike_factor: float = 10.0, overwrite: bool = False, resume: bool = False, strict: bool = False,
-                 ranks=None):
+                 ranks=None, stats_sample: int | None = None):
         check_record_options(every=every, stats_every=stats_every, full_stats_every=full_stats_every,
                              flight_recorder=flight_recorder, spike_factor=spike_factor, what=what, dtype=dtype,
                              compression=compression, zero_counts=zero_counts, tensorboard=tensorboard,
+                             stats_sample=stats_sample,
                              overwrite=overwrite, resume=resume)
         if tensorboard is not None and stats_every is None:
             stats_every = 1  # TensorBoard scalars come from the statistics: log them at every step
@@ -110,6 +112,7 @@ class Recorder:
         self.every = every
         self.stats_every = stats_every
         self.full_stats_every = full_stats_every
+        self.stats_sample = stats_sample
         self.flight_recorder = flight_recorder
         self.strict = strict
         self.active = False
@@ -119,6 +122,7 @@ class Recorder:
         self._handles = []
         self._pending: dict[int, _StepInProgress] = {}
         self._stats_pools: dict[int, SnapshotPool] = {}  # optimizer -> the lean statistics' snapshot buffers
+        self._sampled_pools: dict[int, SampledPool] = {}  # the same, for statistics from samples (stats_sample)
         self._lean_plans: dict[int, _LeanPlan] = {}  # optimizer -> its lean steps' plan for the current layout
         self._total_norms: dict[int, TotalNorm] = {}  # optimizer -> the buffer its backward-pass norm reuses
         self._records = 0  # records written at the cadences (the flight recorder counts its dumps)
@@ -209,6 +213,8 @@ class Recorder:
         if not recording_here:
             return  # another rank records: no file, no hooks, nothing to close
 
+        if self.rank_setup is not None:
+            self.stats_sample = stats_sample = None  # a job's statistics are its local parts' exact ones
         meta = {
             "upd_version": __version__,
             "torch_version": torch.__version__,
@@ -217,7 +223,7 @@ class Recorder:
             "created_unix": time.time(),
             "argv": list(sys.argv),
             "options": {"every": every, "stats_every": stats_every, "zero_counts": list(zero_counts),
-                        "full_stats_every": full_stats_every,
+                        "full_stats_every": full_stats_every, "stats_sample": stats_sample,
                         "flight_recorder": flight_recorder,
                         "spike_factor": spike_factor, "include": self.include, "exclude": self.exclude, "what": list(what),
                         "dtype": dtype, "compression": compression},
@@ -605,7 +611,11 @@ class Recorder:
         dtensor = dtensor_class()
         if not lean_applies(live, grads) or (dtensor is not None and any(isinstance(g, dtensor) for g in grads)):
             return False
-        stats = LeanStep(self._stats_pools.setdefault(opt_index, SnapshotPool()), names, live, live, grads)
+        if self.stats_sample is not None:  # single-process runs only: a DTensor's local parts get the exact set
+            stats = SampledStep(self._sampled_pools.setdefault(opt_index, SampledPool(self.stats_sample)), names,
+                                live, grads)
+        else:
+            stats = LeanStep(self._stats_pools.setdefault(opt_index, SnapshotPool()), names, live, live, grads)
         scalars = self._step_scalars.setdefault(opt_index, {})
         backward = self._backward_norms.pop(opt_index, None)
         if backward is not None:
@@ -675,7 +685,7 @@ class Recorder:
 
     def _step_statistics(self, pending: _StepInProgress) -> dict:
         """Summary statistics of every recorded parameter at this step, with one device-to-host copy in all."""
-        if isinstance(pending.stats, LeanStep):
+        if isinstance(pending.stats, (LeanStep, SampledStep)):
             return pending.stats.read()
         full = pending.record.full
         keys, tensors, update_keys, updates = [], [], [], []
@@ -1072,6 +1082,13 @@ def record(path, model=None, optimizer=None, **options) -> Recorder:
             instead: also abs max, fractions of zeros (``zero_counts``) and the statistics of every optimizer-state
             tensor. ``1``: the full set at every statistics step; ``None``: never. Statistics at a step with full
             tensors (``every=``) are always the full set.
+        stats_sample: ``None`` (default): exact statistics. An int K >= 256 (4096 recommended): at lean statistics
+            steps, the mean, std and norm of each parameter and update of more than K elements, and its gradient's
+            mean, are estimated from K fixed element positions (the gradient's norm, its NaN/Inf count and, nearly,
+            its std stay exact), so a step's cost no longer grows with the tensors; smaller tensors and full-set
+            steps stay exact. The run's options record K; the error on real runs is in docs/performance.md. For
+            models where even the exact lean set is too slow; single-process runs (a distributed job records the
+            exact set, and its options say stats_sample=None).
         flight_recorder: keep the last K steps' full tensors in memory (no disk I/O while nothing happens) and
             write them to the run when a trigger fires: a NaN/Inf in a gradient or update, a gradient- or
             update-norm spike above ``spike_factor`` (default 10) times its recent median, or ``rec.dump(reason)``.
