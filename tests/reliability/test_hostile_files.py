@@ -50,8 +50,25 @@ PEAK_BYTES = 256 * 1024 * 1024  # Python/numpy memory one command may allocate (
 HANG_SECONDS = 180  # watchdog: a hang inside HDF5 (C code, no Python signal gets in) dumps stacks and exits
 
 
+def _without_parameter_index(folder: str) -> str:
+    """Copies of the sample runs without their parameter index. The mutations here test the checks of the groups
+    themselves: with an index, ``upd info`` lists a run from it and never opens the mutated groups, and analyze and
+    verify refuse any difference from it before those checks run. The index's own hostile cases are in
+    test_param_index_hostile.py."""
+    for name in SAMPLES:
+        shutil.copy(os.path.join(SAMPLE_DIR, name), os.path.join(folder, name))
+        with h5py.File(os.path.join(folder, name), "r+") as f:
+            for k in f[schema.OPTIMIZERS_GROUP.path()]:
+                f[schema.PARAMS_GROUP.path(k=k)].attrs.pop(schema.PARAM_INDEX, None)
+    return folder
+
+
+UNINDEXED_SAMPLES = tempfile.TemporaryDirectory(prefix="upd-hostile-samples-")
+UNINDEXED_DIR = _without_parameter_index(UNINDEXED_SAMPLES.name)
+
+
 def sample_path(name: str) -> str:
-    return os.path.join(SAMPLE_DIR, name)
+    return os.path.join(UNINDEXED_DIR if name in SAMPLES else SAMPLE_DIR, name)
 
 
 def run_command(args, path, *, measure_memory=False):

@@ -12,6 +12,8 @@ from tests.harness.paths import SAMPLE_RUNS
 def test_sample_runs_are_written_by_the_current_recorder(path):
     with h5py.File(path, "r") as f:
         assert f.attrs[schema.ATTR_CLOSED_CLEANLY] == "true"
+        for k in f[schema.OPTIMIZERS_GROUP.path()]:  # the parameter index the recorder writes when it closes
+            assert schema.PARAM_INDEX in f[schema.PARAMS_GROUP.path(k=k)].attrs
     with upd.open_run(path) as run:
         assert run.closed_cleanly and run.resumes == []
         steps = run.steps()
