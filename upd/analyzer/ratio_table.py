@@ -1,7 +1,6 @@
 """Update:data and grad:data ratios. Pure functions on tensors, plus the streaming DataFrame builder."""
 from __future__ import annotations
 
-import contextlib
 import math
 
 import numpy as np
@@ -10,6 +9,7 @@ import torch
 
 from ..ratios import GRAD_TO_DATA, UPDATE_TO_DATA, grad_to_data, real_numbers, update_to_data
 from ..runfile import schema
+from ..torch_threads import one_torch_thread
 
 RATIO_TABLE_COLUMNS = ["optimizer", "param", "record", "step", "lr", "numel", "update_to_data", "grad_to_data",
                  "update_std", "param_std", "grad_std", "update_norm", "grad_norm", "param_norm",
@@ -245,19 +245,6 @@ def _long_row_ratios(p, row: int, elements: int) -> dict[str, np.ndarray]:
         sums, n, tuple(kind is not None for kind in kinds), {k: (lambda i, k=k: two_pass_std(k)) for k in range(3)},
         lambda i: sum(int((~torch.isfinite(grad)).sum()) for _, _, grad in pieces((2,))))
     return _with_ratios(cols, grad_nonfinite)
-
-
-@contextlib.contextmanager
-def one_torch_thread():
-    """torch's operations on one thread meanwhile. The sums run on chunks of SUM_CHUNK numbers, too small for
-    torch's thread pool to pay off: its threads spin and wake per operation, and on a busy 2-core machine that made
-    the ratios of a 720 MB run cost 22 s of CPU instead of 4-5 s (docs/performance.md, "Reading cost")."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(threads)
 
 
 def ratios_frame(run, block_bytes: int) -> pd.DataFrame:

@@ -19,7 +19,6 @@ Two initializations show what the update:data ratio is for:
 from __future__ import annotations
 
 import time
-from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -27,6 +26,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import upd
+from upd.torch_threads import one_torch_thread
 
 BLOCK_SIZE = 3  # characters of context
 CHARS = "." + "abcdefghijklmnopqrstuvwxyz"  # '.' starts and ends every name
@@ -89,18 +89,6 @@ def init_weights(model: MLP, init: str) -> None:
     model.layers[-1].weight.fill_(0.1)
 
 
-@contextmanager
-def _single_thread():
-    # The model's matmuls are tiny: extra threads only add synchronization, and on a busy 2-core machine two
-    # threads made training 4-8x slower than one.
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(threads)
-
-
 @torch.no_grad()
 def split_loss(model: MLP, X: torch.Tensor, Y: torch.Tensor) -> float:
     """Cross-entropy over a whole split in eval mode, BatchNorm using its running statistics."""
@@ -123,7 +111,7 @@ def train(path, *, steps: int = 300, init: str = "good", seed: int = 0, batch_si
     val_loss (whole train / held-out split after training), losses (every minibatch loss), seconds.
     """
     started = time.perf_counter()
-    with _single_thread():
+    with one_torch_thread():
         torch.manual_seed(seed)
         gen = torch.Generator().manual_seed(seed)
         words = load_words()
