@@ -226,6 +226,22 @@ def test_the_file_and_the_analyzer_say_the_statistics_are_estimates(runs):
     assert "stats_sample=" not in CliRunner().invoke(main, ["info", exact]).output
 
 
+def test_the_ratio_figures_say_the_statistics_are_estimates(runs, monkeypatch):
+    from upd.analyzer import plots
+
+    titles = {}
+    drawn = plots.ratio_figure
+
+    def ratio_figure(ratios, params, column, *, title, **kwargs):
+        titles[(len(titles) // 2, column)] = title
+        return drawn(ratios, params, column, title=title, **kwargs)
+    monkeypatch.setattr(plots, "ratio_figure", ratio_figure)
+    for name in ("sampled", "exact"):
+        upd.analyze(str(runs["folder"] / f"{name}.h5"), plots=True)
+    estimated = f"estimated from {K} elements of each larger tensor"
+    assert [estimated in title for title in titles.values()] == [True, True, False, False], titles
+
+
 class MixedPrecision(nn.Module):
     """A float64 layer and a bfloat16 one (4096 elements: sampled at K=1024): gathered and normed per dtype."""
 

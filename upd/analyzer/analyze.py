@@ -44,11 +44,20 @@ def source_notes(ratios: pd.DataFrame, full_steps, hist_steps: list[int]) -> lis
     return notes
 
 
-def sample_notes(ratios: pd.DataFrame, options: dict) -> list[str]:
-    """That the per-step statistics are estimates, when the run recorded them from samples (stats_sample)."""
+def estimated_from_samples(ratios: pd.DataFrame, options: dict) -> int | None:
+    """The sample size K when some of these ratios come from statistics the run estimated from samples
+    (stats_sample=K; rows of the statistics table have record -1), else None."""
     sample = options.get("stats_sample")
     if not isinstance(sample, int) or isinstance(sample, bool) or sample < 1 or not (
             len(ratios) and (ratios["record"] == -1).any()):  # a file's own text: only a sample size is shown
+        return None
+    return sample
+
+
+def sample_notes(ratios: pd.DataFrame, options: dict) -> list[str]:
+    """That the per-step statistics are estimates, when the run recorded them from samples (stats_sample)."""
+    sample = estimated_from_samples(ratios, options)
+    if sample is None:
         return []
     return [f"statistics estimated from a sample of {sample} elements of each tensor larger than that "
             f"(stats_sample={sample}; docs/performance.md gives the error), exact for the others and at full-set steps"]
@@ -77,7 +86,7 @@ def analyze(run, out_dir=None, *, thresholds: Thresholds = Thresholds(), hist_st
             from .plots import render_all  # matplotlib is imported only when plots are asked for
 
             images = render_all(run, ratios, summary, thresholds=thresholds, hist_steps=hist_steps,
-                                all_params=all_params)
+                                all_params=all_params, sample=estimated_from_samples(ratios, run.options))
         written = []
         if out_dir is not None:
             make_output_dir(out_dir)

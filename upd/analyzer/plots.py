@@ -472,15 +472,18 @@ HISTOGRAM_FIGURES = (  # file name, kind, what the values are
 
 
 def render_all(run, ratios: pd.DataFrame, summary: pd.DataFrame, *, thresholds: Thresholds,
-               hist_steps: list[int], all_params: bool = False) -> dict[str, bytes]:
+               hist_steps: list[int], all_params: bool = False, sample: int | None = None) -> dict[str, bytes]:
     """The standard figures as {file name: PNG bytes}: update:data and grad:data over the steps (with lr and loss),
-    and gradient and weight histograms at hist_steps (see compared_steps)."""
+    and gradient and weight histograms at hist_steps (see compared_steps). sample: the K of a run whose statistics
+    were estimated from K elements per tensor (stats_sample), said in the ratio figures' titles."""
     params = run.params()
     scalars = run.scalars() if hasattr(run, "scalars") else None
     flagged = {(r.optimizer, r.param): r.status for r in summary.itertuples()}
     images = {}
     for name, column, title in RATIO_FIGURES:
         update = column == "update_to_data"
+        if sample is not None:
+            title += f"; per-step statistics estimated from {sample} elements of each larger tensor"
         images[name] = png_bytes(ratio_figure(
             ratios, params, column, title=title, scalars=scalars, thresholds=thresholds if update else None,
             guide=thresholds.target if update else None, flagged=flagged, all_params=all_params))
