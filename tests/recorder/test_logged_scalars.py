@@ -132,6 +132,7 @@ def test_steps_without_a_record_are_written_in_batches_and_at_close(tmp_path):
     rec = upd.record(path, model, opt, every=1000)
     try:
         _loop(model, opt, rec, HOST_BATCH_STEPS + 5)
+        rec._writer._call(lambda: None)  # the writer thread has written everything handed to it before this call
         with upd.open_run(path) as run:  # live: a copy between two records
             assert run.live
             written = run.scalars()["step"].tolist()
