@@ -153,3 +153,55 @@ def test_a_changing_layout_is_followed(tmp_path):
         assert sorted(rows.index) == sorted(rename.get(n, n) for n in norms)
         for n, norm in norms.items():
             assert rows.loc[rename.get(n, n), "grad_norm"] == pytest.approx(norm, rel=1e-5)
+
+
+@pytest.mark.parametrize("make_optimizer, clip", [
+    (lambda params: torch.optim.AdamW(params, lr=1e-2, weight_decay=0.1), True),  # Lightning's automatic optimization
+    (lambda params: torch.optim.LBFGS(params, lr=0.5, max_iter=3), False),  # several closure calls per step
+], ids=["adamw-clipped-in-closure", "lbfgs"])
+def test_a_closure_step_gets_the_lean_set_from_the_gradients_the_closure_left(tmp_path, make_optimizer, clip):
+    """step(closure): the gradient exists only inside the step. The lean set copies the parameters before it and
+    reduces the gradients the last closure call left after it; a parameter the closure gives no gradient has NaN
+    gradient statistics and a zero update. Against a direct reference, and the step's total norm against the clipped
+    gradients."""
+    model = model_with_large_and_small_tensors()
+    frozen_out = nn.Parameter(torch.ones(3))  # in the optimizer, never in the loss: no gradient
+    opt = make_optimizer(list(model.parameters()) + [frozen_out])
+    expected, norms_seen = {}, []
+    path = str(tmp_path / "run.h5")
+    with upd.record(path, model, opt, every=None, stats_every=1, full_stats_every=None) as rec:
+        for step, (x, y) in enumerate(batches(4)):
+            before = {n: p.detach().clone() for n, p in model.named_parameters()}
+
+            def closure():
+                opt.zero_grad()
+                loss = nn.functional.mse_loss(model(x), y)
+                loss.backward()
+                if clip:
+                    norms_seen.append(float(nn.utils.clip_grad_norm_(model.parameters(), 0.5)))
+                return loss
+            opt.step(closure)
+            for n, p in model.named_parameters():
+                for kind, t in (("param", before[n]), ("grad", p.grad), ("update", p.detach() - before[n])):
+                    scale = t.detach().double().abs().max().item()
+                    for stat, value in reference(t).items():
+                        expected[(n, step, f"{kind}_{stat}")] = (value, scale)
+        assert isinstance(rec._stats_pools.get(0), stats_mod.SnapshotPool)  # the lean path took the steps
+    with upd.open_run(path) as run:
+        table = run.stats().set_index(["param", "step"])
+        scalars = run.scalars().sort_values("step")
+    wrong = [(name, step, column, table.loc[(name, step), column], ref)
+             for (name, step, column), (ref, scale) in expected.items()
+             if not close(table.loc[(name, step), column], ref, scale)]
+    assert not wrong
+    outside_the_model = set(table.index.get_level_values("param")) - set(dict(model.named_parameters()))
+    assert len(outside_the_model) == 1
+    unused = table.xs(outside_the_model.pop(), level="param")
+    assert len(unused) == 4 and unused["grad_norm"].isna().all() and unused["grad_to_data"].isna().all()
+    assert (unused["update_norm"] == 0).all() and (unused["param_norm"] > 0).all()
+    # The comparison can fail: the gradient of the step before (what a copy before the closure would hold).
+    ref, scale = expected[("0.weight", 2, "grad_std")]
+    assert not close(table.loc[("0.weight", 3), "grad_std"], ref, scale)
+    if clip:  # clipped inside the closure: the backward pass left the unclipped norm, the step saw at most 0.5
+        assert scalars[schema.SCALAR_GRAD_NORM_BACKWARD].tolist() == pytest.approx(norms_seen, rel=1e-5)
+        assert scalars[schema.SCALAR_GRAD_NORM_AT_STEP].max() <= 0.5 * (1 + 1e-5)

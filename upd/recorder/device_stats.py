@@ -351,10 +351,17 @@ class LeanStep:
     parameters' and gradients' sums and copies the parameters into the pool; ``read()`` after it forms the updates
     in place, reduces them and brings everything to the host in one copy. Same result shape as
     ``StepStatistics.read``. ``grad_norm`` is the total norm of `grads`, from the per-gradient norms (no pass of its
-    own), launched with them. `params` are the tensors to reduce: `live` itself, or its local parts (DTensor)."""
+    own), launched with them. `params` are the tensors to reduce: `live` itself, or its local parts (DTensor).
+
+    ``grads=None``: a ``step(closure)`` (LBFGS, Lightning's automatic optimization), whose gradient exists only inside
+    the step. Only the parameters are copied before it; the gradients' statistics are taken after it, from the
+    gradients the last closure call left (as for the full set), and the parameters' from their snapshot, which holds
+    the values before the step until the update is formed. ``grad_norm`` is then None: the step's total norm is taken
+    when the closure is first evaluated. A parameter the closure left without a gradient gets NaN gradient
+    statistics (the optimizer skipped it: its update is zero)."""
 
     def __init__(self, pool: SnapshotPool, names: list[str], live: list[torch.Tensor], params: list[torch.Tensor],
-                 grads: list[torch.Tensor]):
+                 grads: list[torch.Tensor] | None):
         self.names = names
         self.live = live  # the parameters themselves: their values after the step give the update
         self.params = params
@@ -362,11 +369,26 @@ class LeanStep:
         self.pool = pool.layout(live, params)
         small, large = self.pool.small, self.pool.large
         self.large_before = None  # the large tensors' reductions before the step
+        self.no_grad = None  # a step(closure): the parameters the closure left without a gradient
+        if grads is None:
+            with torch.no_grad():
+                if small:
+                    torch._foreach_copy_(self.pool.param_views, [params[i] for i in small])
+                for buffer, i in zip(self.pool.buffers, large):
+                    buffer.copy_(params[i])
+            self.grad_norm = None
+            return
+        self._before(params, grads)
+
+    def _before(self, params: list[torch.Tensor], grads: list[torch.Tensor], params_copied: bool = False) -> None:
+        """The parameters' and gradients' reductions (and, unless `params_copied`, the parameters' copies)."""
+        small, large = self.pool.small, self.pool.large
         grad_norms = []
         with torch.no_grad():  # the hooks run outside the optimizer's no_grad: no autograd bookkeeping here
             if small:
                 # A few ops for all small tensors: two copies into the float64 buckets, a sum and a norm per bucket.
-                torch._foreach_copy_(self.pool.param_views, [params[i] for i in small])
+                if not params_copied:
+                    torch._foreach_copy_(self.pool.param_views, [params[i] for i in small])
                 torch._foreach_copy_(self.pool.grad_views, [grads[i] for i in small])
                 for pre, _, _, sums, norms, _, _ in self.pool.buckets:
                     torch.sum(pre, 2, out=sums)
@@ -374,8 +396,12 @@ class LeanStep:
                 grad_norms.append(torch.linalg.vector_norm(self.pool.grad_norms))
             reductions = []
             for buffer, i in zip(self.pool.buffers, large):
-                p, g = params[i], grads[i]
-                buffer.copy_(p)
+                g = grads[i]
+                if params_copied:
+                    p = buffer  # the values before the step, until the update is formed in it
+                else:
+                    p = params[i]
+                    buffer.copy_(p)
                 # Each tensor's passes run back to back, while it is still in the cache.
                 pa, ga = _accumulation(p), _accumulation(g)
                 reductions += [p.sum(dtype=pa), torch.linalg.vector_norm(p, dtype=pa),
@@ -409,6 +435,8 @@ class LeanStep:
         """After the step: form the updates and launch their reductions. Returns the device tensors whose
         concatenation ``rows`` reads (a caller may copy them to the host together with its own)."""
         pool, small, large = self.pool, self.pool.small, self.pool.large
+        if self.grads is None:
+            self._take_closure_gradients()
         with torch.no_grad():
             after = self._after()
             parts = []
@@ -428,6 +456,16 @@ class LeanStep:
             if reductions:
                 parts += [self.large_before, torch.stack(reductions)]
         return parts
+
+    def _take_closure_gradients(self) -> None:
+        """A step(closure)'s gradients, as the last closure call left them, reduced now (see the class docstring)."""
+        grads = [q.grad for q in self.live]
+        self.no_grad = [i for i, (p, g) in enumerate(zip(self.params, grads))
+                        if g is None or not lean_applies([p], [g])]
+        for i in self.no_grad:  # reduced as zeros, shown as NaN (_table)
+            grads[i] = torch.zeros_like(self.params[i])
+        self.grads = grads
+        self._before(self.params, grads, params_copied=True)
 
     def _table(self, host: np.ndarray) -> np.ndarray:
         """(P, len(LEAN_COLUMNS)) rows: each parameter's lean statistics and its two ratios, from the host copy."""
@@ -455,6 +493,9 @@ class LeanStep:
             kind = LEAN_KINDS.index
             table[LEAN_COLUMNS.index(UPDATE_TO_DATA)] = update_to_data(std[kind("update")], std[kind("param")])
             table[LEAN_COLUMNS.index(GRAD_TO_DATA)] = grad_to_data(std[kind("grad")], std[kind("param")])
+            if self.no_grad:
+                stats[kind("grad"), :, self.no_grad] = np.nan
+                table[LEAN_COLUMNS.index(GRAD_TO_DATA), self.no_grad] = np.nan
         return table.T
 
     def _count_nonfinite(self, flagged: np.ndarray, counts: np.ndarray) -> None:

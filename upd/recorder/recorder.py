@@ -537,11 +537,11 @@ class Recorder:
         full = selected or self._flight is not None  # the flight recorder keeps every step in memory
         with_stats = self.stats_every is not None and step % self.stats_every == 0
         # Statistics-only steps get the lean set, but every full_stats_every-th step the full set (device_stats).
-        lean = with_stats and not full and not closure_step and not (
+        lean = with_stats and not full and not (
             self.full_stats_every is not None and step % self.full_stats_every == 0)
         if not (full or with_stats):
             return
-        if lean and self._start_lean_step(opt_index, optimizer, step):
+        if lean and self._start_lean_step(opt_index, optimizer, step, closure_step):
             return
         if not closure_step:  # a closure's gradient exists only inside step(): measured at its first evaluation
             self._measure_step_norms(opt_index, optimizer)
@@ -587,11 +587,15 @@ class Recorder:
         self._pending[opt_index] = _StepInProgress(record=record, params=params, selected=selected,
                                                    closure=closure_step, stats=stats)
 
-    def _start_lean_step(self, opt_index: int, optimizer: torch.optim.Optimizer, step: int) -> bool:
+    def _start_lean_step(self, opt_index: int, optimizer: torch.optim.Optimizer, step: int,
+                         closure_step: bool = False) -> bool:
         """A lean statistics step of a single-process run, started from the layout's _LeanPlan: the statistics
         launched before the step and the total gradient norm as the step sees it taken from their per-gradient norms
         (no pass of its own). False, having done nothing, where the general path must take the step: DTensors,
-        tensors the lean set does not take (lean_applies), no parameter with a gradient."""
+        tensors the lean set does not take (lean_applies), no parameter with a gradient. A step(closure) has no
+        gradient yet: the parameters are copied now and the gradients reduced after the step (LeanStep with
+        grads=None, exact statistics whatever stats_sample says), and the step's total norm is taken when the
+        closure is first evaluated, as on the general path."""
         if self.rank_setup is not None:
             return False
         layout = self._layouts[opt_index]
@@ -602,6 +606,16 @@ class Recorder:
                 return False
             self._lean_plans[opt_index] = plan
         tracked, live, names, stats_meta = plan.tracked, plan.live, plan.names, plan.stats_meta
+        if closure_step:
+            if not lean_applies(live, live):  # the parameters alone: their gradients come inside the step
+                return False
+            stats = LeanStep(self._stats_pools.setdefault(opt_index, SnapshotPool()), names, live, live, None)
+            record = Record(optimizer=opt_index, step=step, backward_pass=self._backward_passes(optimizer),
+                            wall_time=time.time(), hparams=[hparams_snapshot(g) for g in optimizer.param_groups],
+                            params=[], closure_losses=[], full=False)
+            self._pending[opt_index] = _StepInProgress(record=record, params=tracked, selected=False, closure=True,
+                                                       stats=stats, stats_meta=stats_meta)
+            return True
         grads = [p.grad for p in live]
         if any(g is None for g in grads):  # skipped by the optimizer (a frozen parameter): not recorded either
             tracked = [t for t, g in zip(tracked, grads) if g is not None]
