@@ -40,6 +40,47 @@ def gate_first_write(monkeypatch) -> tuple[threading.Event, list]:
     return gate, calls
 
 
+def test_a_record_the_writer_refuses_does_not_take_the_records_queued_before_it(tmp_path, monkeypatch):
+    """A parameter that changes shape in place stops recording at its first record. Records queued before it are
+    committed: only records of one layout share a commit (``_layout``), so the refused one fails alone."""
+    import warnings
+
+    from upd.runfile import async_writer
+
+    gate, calls = gate_first_write(monkeypatch)
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 4))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    path = tmp_path / "run.h5"
+    monkeypatch.setattr(async_writer, "_SnapshotQueue", _queue_of(8))  # room for every step while the gate is shut
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        rec = upd.record(path, model, opt, every=1)
+        for step in range(4):
+            if step == 3:  # the same Parameter objects, a new shape
+                model[0].bias.data = torch.zeros(5)
+                model[0].weight.data = torch.zeros(5, 6)
+            opt.zero_grad()
+            model(torch.randn(4, 6)).pow(2).mean().backward()
+            opt.step()
+        gate.set()
+        rec.close()
+    assert rec.error is not None and sum("recording" in str(w.message) for w in caught) == 1
+    assert [1, 2] in calls  # steps 1 and 2 were queued together, step 3 (refused) on its own
+    with upd.open_run(path) as run:
+        assert list(run.optimizers[0].steps) == [0, 1, 2]
+    assert upd.verify(path).exit_code == 0
+
+
+def _queue_of(size: int):
+    from upd.runfile import async_writer
+
+    class Queue(async_writer._SnapshotQueue):
+        def __init__(self, maxsize):
+            super().__init__(maxsize=size)
+    return Queue
+
+
 def test_queued_full_records_are_committed_together_and_read_back_exactly(tmp_path, monkeypatch):
     path = tmp_path / "batched.h5"
     gate, calls = gate_first_write(monkeypatch)

@@ -165,6 +165,19 @@ def _write(shared: _Shared, payload) -> None:
         shared.write_seconds += elapsed
 
 
+def _tensor_layout(t) -> tuple | None:
+    return None if t is None else (tuple(t.shape), t.dtype)
+
+
+def _layout(rec: Record) -> tuple:
+    """What a full record's rows look like: which parameters, tensors, state keys, with their shapes and dtypes.
+    Records committed together must share it: a record the writer refuses (a parameter that changed shape, a new
+    tensor kind) fails its whole batch, and the records queued before it must not fail with it."""
+    return tuple((snap.name, _tensor_layout(snap.param), _tensor_layout(snap.grad), _tensor_layout(snap.param_after),
+                  tuple((key, _tensor_layout(value)) for key, value in snap.state.items()))
+                 for snap in rec.params)
+
+
 def _write_record(q: _SnapshotQueue, shared: _Shared, rec: Record) -> None:
     """Write a record; a full one together with the full records queued right behind it, with one commit for all
     (one pair of flushes, each dataset grown once, small rows one write each: in batches of 3, about a third less
@@ -173,9 +186,14 @@ def _write_record(q: _SnapshotQueue, shared: _Shared, rec: Record) -> None:
     bound. A kill leaves each record wholly committed or absent (``RunWriter.write``)."""
     more = []
     if rec.full:
+        layout = None
         with q.mutex:
             for item in q.queue:
-                if len(more) + 1 >= FULL_BATCH or item is _STOP or item[0] != _WRITE or not item[1].full:
+                if len(more) + 1 >= FULL_BATCH or item is _STOP or item[0] != _WRITE or not item[1].full \
+                        or item[1].optimizer != rec.optimizer:
+                    break
+                layout = _layout(rec) if layout is None else layout
+                if _layout(item[1]) != layout:
                     break
                 more.append(item[1])
     try:
