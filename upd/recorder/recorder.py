@@ -610,37 +610,32 @@ class Recorder:
             if not lean_applies(live, live):  # the parameters alone: their gradients come inside the step
                 return False
             stats = LeanStep(self._stats_pools.setdefault(opt_index, SnapshotPool()), names, live, live, None)
-            record = Record(optimizer=opt_index, step=step, backward_pass=self._backward_passes(optimizer),
-                            wall_time=time.time(), hparams=[hparams_snapshot(g) for g in optimizer.param_groups],
-                            params=[], closure_losses=[], full=False)
-            self._pending[opt_index] = _StepInProgress(record=record, params=tracked, selected=False, closure=True,
-                                                       stats=stats, stats_meta=stats_meta)
-            return True
-        grads = [p.grad for p in live]
-        if any(g is None for g in grads):  # skipped by the optimizer (a frozen parameter): not recorded either
-            tracked = [t for t, g in zip(tracked, grads) if g is not None]
-            live, names = [t.live for t in tracked], [t.snapshot.name for t in tracked]
-            stats_meta = {name: stats_meta[name] for name in names}
-            grads = [g for g in grads if g is not None]
-        dtensor = dtensor_class()
-        if not lean_applies(live, grads) or (dtensor is not None and any(isinstance(g, dtensor) for g in grads)):
-            return False
-        if self.stats_sample is not None:  # single-process runs only: a DTensor's local parts get the exact set
-            stats = SampledStep(self._sampled_pools.setdefault(opt_index, SampledPool(self.stats_sample)), names,
-                                live, grads)
         else:
-            stats = LeanStep(self._stats_pools.setdefault(opt_index, SnapshotPool()), names, live, live, grads)
-        scalars = self._step_scalars.setdefault(opt_index, {})
-        backward = self._backward_norms.pop(opt_index, None)
-        if backward is not None:
-            scalars[schema.SCALAR_GRAD_NORM_BACKWARD] = backward
-        scalars[schema.SCALAR_GRAD_NORM_AT_STEP] = (stats.grad_norm if plan.all_selected else
-                                                    total_norm(_gradients(optimizer)))
+            grads = [p.grad for p in live]
+            if any(g is None for g in grads):  # skipped by the optimizer (a frozen parameter): not recorded either
+                tracked = [t for t, g in zip(tracked, grads) if g is not None]
+                live, names = [t.live for t in tracked], [t.snapshot.name for t in tracked]
+                stats_meta = {name: stats_meta[name] for name in names}
+                grads = [g for g in grads if g is not None]
+            dtensor = dtensor_class()
+            if not lean_applies(live, grads) or (dtensor is not None and any(isinstance(g, dtensor) for g in grads)):
+                return False
+            if self.stats_sample is not None:  # single-process runs only: a DTensor's local parts get the exact set
+                stats = SampledStep(self._sampled_pools.setdefault(opt_index, SampledPool(self.stats_sample)),
+                                    names, live, grads)
+            else:
+                stats = LeanStep(self._stats_pools.setdefault(opt_index, SnapshotPool()), names, live, live, grads)
+            scalars = self._step_scalars.setdefault(opt_index, {})
+            backward = self._backward_norms.pop(opt_index, None)
+            if backward is not None:
+                scalars[schema.SCALAR_GRAD_NORM_BACKWARD] = backward
+            scalars[schema.SCALAR_GRAD_NORM_AT_STEP] = (stats.grad_norm if plan.all_selected else
+                                                        total_norm(_gradients(optimizer)))
         record = Record(optimizer=opt_index, step=step, backward_pass=self._backward_passes(optimizer),
                         wall_time=time.time(), hparams=[hparams_snapshot(g) for g in optimizer.param_groups],
-                        params=[], closure_losses=None, full=False)
-        self._pending[opt_index] = _StepInProgress(record=record, params=tracked, selected=False, closure=False,
-                                                   stats=stats, stats_meta=stats_meta)
+                        params=[], closure_losses=[] if closure_step else None, full=False)
+        self._pending[opt_index] = _StepInProgress(record=record, params=tracked, selected=False,
+                                                   closure=closure_step, stats=stats, stats_meta=stats_meta)
         return True
 
     def _lean_plan(self, optimizer: torch.optim.Optimizer, names: ParamNames, layout: tuple) -> _LeanPlan | None:
