@@ -1,0 +1,4 @@
+"""Live outputs of a recording beside the run file: ``upd.record(..., sinks=[...])``. See ``upd.sinks.base``."""
+from .base import LIVE_COLUMNS, Sink, SinkStep, metrics
+
+__all__ = ["Sink", "SinkStep", "LIVE_COLUMNS", "metrics"]
