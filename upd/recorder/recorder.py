@@ -23,13 +23,14 @@ from ..runfile import encoding, schema
 from ..runfile.async_writer import AsyncRunWriter
 from ..runfile.record import ParamSnapshot, Record, ShardLayout, param_meta
 from . import distributed, job_scalars
+from .attaching import attach
 from .device_stats import LeanStep, SnapshotPool, StepStatistics, element_count, lean_applies
 from .flight_recorder import FlightRecorder
 from .grad_norms import TotalNorm, queue_after_backward, total_norm
 from .logged_scalars import HOST_BATCH_STEPS, kept, name_problem, scalar_problem, to_host
 from .job_scalars import JobScalars, Slot
 from .options import check_record_options
-from .naming import ParamNames, is_selected, model_names, named_parameters, patterns, uncompiled
+from .naming import ParamNames, is_selected, model_names, named_parameters, patterns
 from .resume import has_step_counter, initial_step, resume_problems
 from .sampled_stats import SampledPool, SampledStep
 from .snapshots import (cpu_copy, dense, dtensor_class, hparams_snapshot, local_part, refuse_unlike_param,
@@ -141,22 +142,11 @@ class Recorder:
             raise IsADirectoryError(f"{self.path} is a directory; upd.record writes one file: pass a file path, "
                                     f"e.g. {os.path.join(self.path, 'run.h5')}")
         try:
-            if optimizer is None and model is not None and _is_optimizer(model):
-                raise TypeError("the optimizer was passed as the model (upd.record's second argument); write "
-                                "upd.record(path, model, optimizer), or upd.record(path, "
-                                f"optimizer={_call_name(model)}) without a model")
-            # Wrappers (Accelerate, Lightning) are looked through here; DDP and ZeRO by `distributed`, which
-            # needs to see them to decide which ranks record.
-            job_optimizers = attachable_optimizers(optimizer)
-            model = attachable_model(model)
-            # In a distributed job: which ranks record, into which file. Decided from the wrappers the user passed
-            # (DDP, ZeRO), then recording looks through them: names from the wrapped model, hooks on the optimizer
-            # that steps this rank's parameters.
-            self.rank_setup = distributed.setup(path, model, job_optimizers, ranks)
-            model = uncompiled(distributed.unwrap_model(model))
-            optimizers = [distributed.local_optimizer(opt) for opt in job_optimizers]
-            for opt in optimizers:
-                check_hookable(opt)
+            # Through whatever wraps the model and the optimizers (wrapper_registry): the job's optimizers, which
+            # ranks record into which file, the module names come from, the optimizer hooked on this rank.
+            attached = attach(path, model, optimizer, ranks)
+            self.rank_setup, model = attached.rank_setup, attached.model
+            job_optimizers, optimizers = attached.job_optimizers, attached.optimizers
         except TypeError as exc:
             self._cannot_record(exc)
             return
@@ -189,8 +179,7 @@ class Recorder:
             # an object that only looks like them fails here, and leaves no file behind.
             names_in_model = model_names(model)
             self._steps_done = [initial_step(opt) for opt in optimizers]
-            self._names = [ParamNames({**distributed.global_names(opt), **names_in_model})
-                           for opt in job_optimizers]
+            self._names = [ParamNames({**names, **names_in_model}) for names in attached.global_names]
             opt_metas = [self._optimizer_meta(i, opt) for i, opt in enumerate(optimizers)]
             # A ZeRO rank's local optimizer holds its partition only; the job's optimizer holds them all.
             optimized = {id(p) for opt in job_optimizers for g in opt.param_groups for p in g["params"]}
@@ -941,75 +930,6 @@ def _gradients(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
 def _tensorboard_name(opt_index: int, name: str) -> str:
     """A parameter's name in TensorBoard tags: prefixed for optimizer 1 and up, as ``export_ratios`` names them."""
     return f"opt{opt_index}:{name}" if opt_index else name
-
-
-# Where optimizer wrappers keep the torch.optim.Optimizer they wrap: Accelerate's AcceleratedOptimizer and
-# Lightning's LightningOptimizer (`optimizer`), others (`optim`, `_optimizer`).
-WRAPPED_OPTIMIZER_ATTRIBUTES = ("optimizer", "optim", "_optimizer")
-
-
-def wrapped_optimizer(obj, _seen: set | None = None):
-    """The optimizer inside `obj`, looked up through WRAPPED_OPTIMIZER_ATTRIBUTES (wrappers of wrappers too) until
-    a torch.optim.Optimizer that wraps no other: the one whose ``step()`` does the math, and whose step hooks fire
-    (AcceleratedOptimizer subclasses torch.optim.Optimizer without initialising it, so it has no hooks of its own).
-    A ZeroRedundancyOptimizer is kept as it is: ``distributed`` needs it whole. `obj` itself when it wraps none."""
-    seen = set() if _seen is None else _seen
-    if id(obj) in seen or isinstance(obj, distributed.zero_class() or ()):
-        return obj
-    seen.add(id(obj))
-    for name in WRAPPED_OPTIMIZER_ATTRIBUTES:
-        value = _attribute(obj, name)
-        if value is not None:
-            inner = wrapped_optimizer(value, seen)
-            if isinstance(inner, torch.optim.Optimizer):
-                return inner
-    return obj
-
-
-def _attribute(obj, name: str):
-    try:
-        return getattr(obj, name, None)
-    except Exception:  # a property of someone else's wrapper: whatever it raises, it wraps nothing
-        return None
-
-
-def attachable_optimizers(optimizer) -> list:
-    """``optimizer=`` as the list of optimizers to attach to, each looked up through its wrappers; TypeError for
-    anything that is not, or does not wrap, a torch.optim.Optimizer."""
-    if optimizer is None:
-        raise TypeError("upd.record needs the optimizer (or a list of optimizers) to watch")
-    given = list(optimizer) if isinstance(optimizer, (list, tuple)) else [optimizer]
-    found = [wrapped_optimizer(opt) for opt in given]
-    for opt in found:
-        if not isinstance(opt, torch.optim.Optimizer):
-            raise TypeError(f"expected a torch.optim.Optimizer, or a wrapper that exposes one as "
-                            f"{', '.join('.' + a for a in WRAPPED_OPTIMIZER_ATTRIBUTES)}; got {type(opt).__name__}")
-    return found
-
-
-def check_hookable(optimizer: torch.optim.Optimizer) -> None:
-    """TypeError when torch cannot call step hooks on `optimizer`: a subclass whose ``__init__`` never ran
-    ``torch.optim.Optimizer.__init__`` (a wrapper that hides what it wraps)."""
-    if not hasattr(optimizer, "_optimizer_step_pre_hooks"):
-        raise TypeError(f"{type(optimizer).__name__} has no optimizer step hooks (torch.optim.Optimizer.__init__ "
-                        "never ran for it); pass the optimizer it wraps")
-
-
-def attachable_model(model):
-    """``model=`` without torch.compile's wrapper; TypeError for anything without ``named_parameters()``."""
-    if model is not None and not callable(_attribute(model, "named_parameters")):
-        raise TypeError(f"model= must be a torch.nn.Module (names come from its named_parameters()), got "
-                        f"{type(model).__name__}")
-    return uncompiled(model)
-
-
-def _is_optimizer(obj) -> bool:
-    """`obj` is, or wraps, a torch.optim.Optimizer."""
-    return isinstance(wrapped_optimizer(obj), torch.optim.Optimizer)
-
-
-def _call_name(obj) -> str:
-    return "optimizer" if isinstance(obj, torch.optim.Optimizer) else type(obj).__name__
 
 
 def _recording_to(path: str) -> "Recorder | None":

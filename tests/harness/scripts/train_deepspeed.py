@@ -1,0 +1,108 @@
+"""A DeepSpeed job on the CPU (DS_ACCELERATOR=cpu, gloo), recorded by upd.record on every rank: run through torchrun
+on 2 ranks by tests/distributed/test_deepspeed.py. ``train_deepspeed.py OUT CONFIG...``: each CONFIG is
+``<stage>-<optimizer>`` (``2-adamw``, ``1-sgd``); the job of each records to OUT/<config>.h5 (rank files).
+
+The model is a small transformer-like block whose parameter sizes do not divide 2 (every partition boundary falls
+inside a parameter), in two param groups (weight decay and none), trained 3 steps with gradient clipping on a fixed
+global batch of 4 sequences, 2 per rank. ``reference()`` trains the same model on the whole batch in one process."""
+import json
+import os
+import sys
+
+import torch
+import torch.nn.functional as F
+
+VOCAB, WIDTH, HIDDEN, SEQ = 11, 5, 7, 3
+GLOBAL_BATCH, STEPS, CLIP = 4, 3, 0.5
+
+
+class Block(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.embed = torch.nn.Embedding(VOCAB, WIDTH)
+        self.norm = torch.nn.LayerNorm(WIDTH)
+        self.up = torch.nn.Linear(WIDTH, HIDDEN)
+        self.down = torch.nn.Linear(HIDDEN, WIDTH)
+        self.head = torch.nn.Linear(WIDTH, VOCAB, bias=False)
+
+    def forward(self, tokens, targets):
+        h = self.embed(tokens)
+        h = h + self.down(F.gelu(self.up(self.norm(h))))
+        return F.cross_entropy(self.head(h).flatten(0, 1), targets.flatten())
+
+
+def batch(step: int):
+    g = torch.Generator().manual_seed(100 + step)
+    return (torch.randint(0, VOCAB, (GLOBAL_BATCH, SEQ), generator=g),
+            torch.randint(0, VOCAB, (GLOBAL_BATCH, SEQ), generator=g))
+
+
+def param_groups(model):
+    decay = [p for n, p in model.named_parameters() if p.ndim >= 2]
+    rest = [p for n, p in model.named_parameters() if p.ndim < 2]
+    return [{"params": decay, "weight_decay": 0.1}, {"params": rest, "weight_decay": 0.0}]
+
+
+def make_optimizer(name: str, model):
+    if name == "adamw":
+        return torch.optim.AdamW(param_groups(model), lr=0.05)
+    return torch.optim.SGD(param_groups(model), lr=0.1, momentum=0.9)
+
+
+def reference(name: str, path: str, **record_options) -> None:
+    """The same training in one process on the whole global batch, plain torch, recorded to `path`."""
+    import upd
+
+    model = Block()
+    optimizer = make_optimizer(name, model)
+    with upd.record(path, model, optimizer, strict=True, **record_options):
+        for step in range(STEPS):
+            tokens, targets = batch(step)
+            # The mean of the ranks' mean losses: what DeepSpeed's averaged gradient is the gradient of.
+            loss = sum(model(tokens[r::2], targets[r::2]) for r in range(2)) / 2
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
+            optimizer.step()
+            optimizer.zero_grad()
+
+
+def run(out: str, config: str, rank: int, world: int) -> None:
+    import deepspeed
+
+    import upd
+
+    stage, name = config.split("-")
+    model = Block()
+    optimizer = make_optimizer(name, model)
+    ds_config = {"train_micro_batch_size_per_gpu": GLOBAL_BATCH // world, "gradient_accumulation_steps": 1,
+                 "gradient_clipping": CLIP, "zero_optimization": {"stage": int(stage)}, "steps_per_print": 10**9,
+                 "zero_allow_untested_optimizer": True}
+    engine, zero, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=ds_config)
+    if rank == 0:
+        with open(os.path.join(out, f"{config}.names.json"), "w") as f:
+            json.dump([[n, list(p.ds_shape if hasattr(p, "ds_shape") else p.shape)]
+                       for n, p in engine.module.named_parameters()], f)
+    with upd.record(os.path.join(out, f"{config}.h5"), engine, zero, stats_every=1, strict=True,
+                    ranks="all" if name == "sgd" else None) as rec:
+        assert rec.active, rec
+        for step in range(STEPS):
+            tokens, targets = batch(step)
+            loss = engine(tokens[rank::world], targets[rank::world])
+            engine.backward(loss)
+            engine.step()
+
+
+def main() -> None:
+    import deepspeed
+
+    out, configs = sys.argv[1], sys.argv[2:]
+    deepspeed.init_distributed(dist_backend="gloo")
+    rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
+    for config in configs:
+        run(out, config, rank, world)
+    torch.distributed.barrier()
+
+
+if __name__ == "__main__":
+    main()
