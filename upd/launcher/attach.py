@@ -6,8 +6,8 @@ process created and had not stepped yet (``global_hooks`` hands them over as one
 recorder already records and those that only run inside another one's step (the optimizer a wrapper or a
 ZeroRedundancyOptimizer steps). The model is the module whose parameters cover the optimizer's: among every
 ``nn.Module`` alive that is no other module's child, the one holding most of the optimizer's parameters, fewest
-parameters in all on a tie, handed to the recorder as it is (its wrappers, DataParallel, DDP, torch.compile, are
-looked through by the recorder's wrapper registry). The file is RUN for the first group, then the next part not written yet (``env.part_path``); several
+parameters in all on a tie (a DataParallel or Fabric wrapper is looked through; DDP's and DeepSpeed's, which decide
+which ranks record, by the recorder: ``wrapper_registry``). The file is RUN for the first group, then the next part not written yet (``env.part_path``); several
 processes that train without a process group each take their own part, because the recorder creates its file
 exclusively.
 """
@@ -127,7 +127,9 @@ def owning_model(optimizers: list):
     if not owners:
         return None
     if len(owners) == 1:
-        return owners[0]  # as it is: the recorder looks through its wrappers (wrapper_registry)
+        # Through the wrappers that only run it (DataParallel, Fabric): the recorder must see a parallelism's own
+        # (DDP, DeepSpeed) to decide which ranks record, and looks through it itself.
+        return wrapper_registry.model_inside(owners[0], through_parallelisms=False)
     return Models(owners)
 
 

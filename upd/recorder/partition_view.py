@@ -24,6 +24,7 @@ from dataclasses import dataclass
 import torch
 
 from ..runfile import schema
+from ..runfile.encoding import class_path
 from ..runfile.record import ShardLayout
 
 # The attribute a fragment carries its ShardLayout in (wrapper_registry's flat kinds read it in shard_layout).
@@ -180,7 +181,8 @@ def partition_view(inner: torch.optim.Optimizer, flats: list, groups: list[dict]
     cls = type(inner)
     view_class = _VIEW_CLASSES.get(cls)
     if view_class is None:
-        view_class = type(cls.__name__, (PartitionView, cls), {"__module__": cls.__module__,
-                                                                "__qualname__": cls.__qualname__})
+        # Named so that the run names it as it names `cls` (torch.optim.AdamW, not torch.optim.adamw.AdamW).
+        module, _, qualname = class_path(cls).rpartition(".")
+        view_class = type(cls.__name__, (PartitionView, cls), {"__module__": module, "__qualname__": qualname})
         _VIEW_CLASSES[cls] = view_class
     return view_class(inner, flats, groups, fragments, world_size, describe_step)

@@ -130,21 +130,30 @@ def _first(method: str, *args):
 
 
 # -- the queries the recorder, the launcher and the snapshots use ----------------------------------------------------
-def model_chain(model) -> list:
+def model_chain(model, through_parallelisms: bool = True) -> list:
     """`model` and each module inside its wrappers, outermost first (empty for None): what ``in_job`` and
-    ``splits`` look at, since a DDP wrapper may sit inside torch.compile's or the other way round."""
+    ``splits`` look at, since a DDP wrapper may sit inside torch.compile's or the other way round. Without
+    `through_parallelisms`, the chain stops at a wrapper of a parallelism (DDP, DeepSpeed's engine)."""
     chain, seen = [], set()
     while model is not None and id(model) not in seen:
         seen.add(id(model))
         chain.append(model)
-        model = _first("model_inside", model)
+        inner = None
+        for wrapper in wrappers():
+            inner = wrapper.model_inside(model)
+            if inner is not None:
+                if wrapper.parallelism is not None and not through_parallelisms:
+                    return chain
+                break
+        model = inner
     return chain
 
 
-def model_inside(model):
-    """`model` without every wrapper that only runs it (DDP, torch.compile, DataParallel, DeepSpeed's engine...):
-    the module whose ``named_parameters()`` give the run's names."""
-    chain = model_chain(model)
+def model_inside(model, through_parallelisms: bool = True):
+    """`model` without the wrappers that only run it (DDP, torch.compile, DataParallel, DeepSpeed's engine...): the
+    module whose ``named_parameters()`` give the run's names. Without `through_parallelisms`, the module inside
+    those of them that are no parallelism (DataParallel, Fabric, torch.compile), which the recorder must see."""
+    chain = model_chain(model, through_parallelisms)
     return chain[-1] if chain else None
 
 

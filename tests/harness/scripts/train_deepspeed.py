@@ -1,6 +1,8 @@
 """A DeepSpeed job on the CPU (DS_ACCELERATOR=cpu, gloo), recorded by upd.record on every rank: run through torchrun
 on 2 ranks by tests/distributed/test_deepspeed.py. ``train_deepspeed.py OUT CONFIG...``: each CONFIG is
-``<stage>-<optimizer>`` (``2-adamw``, ``1-sgd``); the job of each records to OUT/<config>.h5 (rank files).
+``<stage>-<optimizer>`` (``2-adamw``, ``1-sgd``; ``2-offload``: AdamW with the optimizer offloaded to the CPU,
+which torch-upd refuses) and its job records to OUT/<config>.h5 (rank files); rank 0 writes the model's names and
+shapes to OUT/<config>.names.json and what the recorder warned to OUT/<config>.warnings.json.
 
 The model is a small transformer-like block whose parameter sizes do not divide 2 (every partition boundary falls
 inside a parameter), in two param groups (weight decay and none), trained 3 steps with gradient clipping on a fixed
@@ -8,6 +10,7 @@ global batch of 4 sequences, 2 per rank. ``reference()`` trains the same model o
 import json
 import os
 import sys
+import warnings
 
 import torch
 import torch.nn.functional as F
@@ -32,10 +35,10 @@ class Block(torch.nn.Module):
         return F.cross_entropy(self.head(h).flatten(0, 1), targets.flatten())
 
 
-def batch(step: int):
+def batch(step: int, size: int = GLOBAL_BATCH):
+    """The global batch of a step: `size` sequences of tokens and their targets."""
     g = torch.Generator().manual_seed(100 + step)
-    return (torch.randint(0, VOCAB, (GLOBAL_BATCH, SEQ), generator=g),
-            torch.randint(0, VOCAB, (GLOBAL_BATCH, SEQ), generator=g))
+    return (torch.randint(0, VOCAB, (size, SEQ), generator=g), torch.randint(0, VOCAB, (size, SEQ), generator=g))
 
 
 def param_groups(model):
@@ -74,18 +77,27 @@ def run(out: str, config: str, rank: int, world: int) -> None:
 
     stage, name = config.split("-")
     model = Block()
-    optimizer = make_optimizer(name, model)
+    optimizer = make_optimizer("adamw" if name == "offload" else name, model)
+    zero_config = {"stage": int(stage)}
+    if name == "offload":
+        zero_config["offload_optimizer"] = {"device": "cpu"}
     ds_config = {"train_micro_batch_size_per_gpu": GLOBAL_BATCH // world, "gradient_accumulation_steps": 1,
-                 "gradient_clipping": CLIP, "zero_optimization": {"stage": int(stage)}, "steps_per_print": 10**9,
-                 "zero_allow_untested_optimizer": True}
+                 "gradient_clipping": CLIP, "zero_optimization": zero_config, "steps_per_print": 10**9,
+                 "zero_allow_untested_optimizer": True, "zero_force_ds_cpu_optimizer": False}
     engine, zero, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=ds_config)
     if rank == 0:
         with open(os.path.join(out, f"{config}.names.json"), "w") as f:
             json.dump([[n, list(p.ds_shape if hasattr(p, "ds_shape") else p.shape)]
                        for n, p in engine.module.named_parameters()], f)
-    with upd.record(os.path.join(out, f"{config}.h5"), engine, zero, stats_every=1, strict=True,
-                    ranks="all" if name == "sgd" else None) as rec:
-        assert rec.active, rec
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", upd.RecorderWarning)
+        # The engine as the model, the ZeRO optimizer deepspeed.initialize returned: as users write it.
+        rec = upd.record(os.path.join(out, f"{config}.h5"), engine, zero, stats_every=1,
+                         ranks="all" if name == "sgd" else None)
+    if rank == 0:
+        with open(os.path.join(out, f"{config}.warnings.json"), "w") as f:
+            json.dump([str(w.message) for w in caught if issubclass(w.category, upd.RecorderWarning)], f)
+    with rec:
         for step in range(STEPS):
             tokens, targets = batch(step)
             loss = engine(tokens[rank::world], targets[rank::world])
