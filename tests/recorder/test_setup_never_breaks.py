@@ -14,7 +14,7 @@ import torch
 
 import upd
 from upd.recorder import recorder as recorder_module
-from upd.recorder.wrapper_registry import optimizer_inside
+from upd.recorder.wrappers import optimizer_inside
 from tests.harness.training import loss_at, mlp, no_hooks_left, params_of, train
 
 NAMES = ["0.bias", "0.weight", "2.bias", "2.weight"]

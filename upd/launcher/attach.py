@@ -7,9 +7,9 @@ recorder already records and those that only run inside another one's step (the 
 ZeroRedundancyOptimizer steps). The model is the module whose parameters cover the optimizer's: among every
 ``nn.Module`` alive that is no other module's child, the one holding most of the optimizer's parameters, fewest
 parameters in all on a tie (a DataParallel or Fabric wrapper is looked through; DDP's and DeepSpeed's, which decide
-which ranks record, by the recorder: ``wrapper_registry``). The file is RUN for the first group, then the next part not written yet (``env.part_path``); several
-processes that train without a process group each take their own part, because the recorder creates its file
-exclusively.
+which ranks record, by the recorder: ``upd.recorder.wrappers``). The file is RUN for the first group, then the next
+part not written yet (``env.part_path``); several processes that train without a process group each take their own
+part, because the recorder creates its file exclusively.
 """
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ import warnings
 import torch
 
 from .. import lifetime
-from ..recorder import wrapper_registry
+from ..recorder import wrappers
 from ..recorder.recorder import Recorder, RecorderWarning
 from . import env
 
@@ -56,12 +56,12 @@ def start(request: str, optimizers: list, backward_counts: dict[int, int]) -> Re
 
 def inner_optimizer(optimizer):
     """The optimizer whose step runs inside `optimizer`'s step, or None: a job optimizer's local one (a
-    ZeroRedundancyOptimizer's), or the one a wrapper exposes (``wrapper_registry``)."""
+    ZeroRedundancyOptimizer's), or the one a wrapper exposes (``upd.recorder.wrappers``)."""
     try:
-        if wrapper_registry.is_job_optimizer(optimizer):
-            inner = wrapper_registry.local_optimizer(optimizer, None)
+        if wrappers.is_job_optimizer(optimizer):
+            inner = wrappers.local_optimizer(optimizer, None)
         else:
-            inner = wrapper_registry.optimizer_inside(optimizer)
+            inner = wrappers.optimizer_inside(optimizer)
     except Exception:
         return None
     return None if inner is optimizer else inner
@@ -129,7 +129,7 @@ def owning_model(optimizers: list):
     if len(owners) == 1:
         # Through the wrappers that only run it (DataParallel, Fabric): the recorder must see a parallelism's own
         # (DDP, DeepSpeed) to decide which ranks record, and looks through it itself.
-        return wrapper_registry.model_inside(owners[0], through_parallelisms=False)
+        return wrappers.model_inside(owners[0], through_parallelisms=False)
     return Models(owners)
 
 
@@ -138,7 +138,7 @@ class Models:
     parameters come from one of them, so names stay unique within an optimizer)."""
 
     def __init__(self, models: list):
-        self.models = [wrapper_registry.model_inside(m) for m in models]
+        self.models = [wrappers.model_inside(m) for m in models]
 
     def named_parameters(self):
         for model in self.models:

@@ -17,8 +17,7 @@ import torch
 
 from ..runfile import schema
 from ..runfile.ranks import rank_files, rank_path
-from . import wrapper_registry
-from . import wrappers  # noqa: F401  (registers every kind of wrapper)
+from . import wrappers
 
 
 def process_group() -> tuple[int, int] | None:
@@ -60,7 +59,7 @@ class RankSetup:
     recording_ranks: object  # "all" or a list of ranks
     parallelism: str
     job_path: str
-    split: bool = False  # each rank holds or steps a part of the model (wrapper_registry.splits)
+    split: bool = False  # each rank holds or steps a part of the model (wrappers.splits)
     recorded_weights: str | None = None  # what this rank records when not the model's own weights
 
     @property
@@ -89,14 +88,14 @@ class RankSetup:
 def setup(path: str, models: list, optimizers, ranks) -> RankSetup | None:
     """This process's RankSetup in an initialised process group of several processes, else None (``ranks=`` is
     only checked then). `models`: the model as the user passed it and each module inside its wrappers
-    (``wrapper_registry.model_chain``); `optimizers` the job's (ZeRO wrappers included)."""
+    (``wrappers.model_chain``); `optimizers` the job's (ZeRO wrappers included)."""
     group = process_group()
     if group is None:
         check_ranks_option(ranks)
         return None
     rank, world = group
-    split = wrapper_registry.splits(models, optimizers)
-    used = wrapper_registry.in_use(models, optimizers)
+    split = wrappers.splits(models, optimizers)
+    used = wrappers.in_use(models, optimizers)
     weights = next((w.recorded_weights for w in used if w.recorded_weights is not None), None)
     return RankSetup(rank=rank, world_size=world, recording_ranks=recording_ranks(ranks, world, split),
                      parallelism=used[0].parallelism, job_path=os.fspath(path), split=split,
@@ -130,9 +129,9 @@ def tensorboard_role(rank_setup: RankSetup | None) -> str:
 
 def counts_toward_whole(tensor, rank_setup: RankSetup) -> bool:
     """Whether this rank's statistics of `tensor` (a recorded parameter's part) are added into the job's whole
-    parameter, so that every element is added once (``wrapper_registry.counts_toward_whole``: the kind that owns
+    parameter, so that every element is added once (``wrappers.counts_toward_whole``: the kind that owns
     the tensor says; a copy on every rank counts on rank 0)."""
-    return wrapper_registry.counts_toward_whole(tensor, rank_setup.rank, rank_setup.parallelism)
+    return wrappers.counts_toward_whole(tensor, rank_setup.rank, rank_setup.parallelism)
 
 
 def layout_conflict(rank_setup: RankSetup) -> str | None:

@@ -12,7 +12,7 @@ import torch
 
 from ..runfile import encoding
 from .device_stats import SPARSE_LAYOUTS
-from .wrapper_registry import local_part, shard_layout  # noqa: F401  (the recorder's names for them)
+from .wrappers import local_part, shard_layout  # noqa: F401  (the recorder's names for them)
 from .wrappers.fsdp2 import dtensor_class, placements_text
 
 

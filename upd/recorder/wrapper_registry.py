@@ -26,7 +26,8 @@ that answers, for its kind only:
 
 A method a kind does not override answers "not mine" (None, False, (), {}). The query functions below ask every
 registered wrapper in ``priority`` order (highest first) and take the first answer: adding a wrapper is one module.
-docs/distributed.md ("Adding a wrapper") walks through one.
+Ask them through ``upd.recorder.wrappers``, whose import registers every module. docs/distributed.md ("Adding a
+wrapper") walks through one.
 """
 from __future__ import annotations
 
@@ -114,6 +115,12 @@ def register(cls: type[Wrapper]) -> type[Wrapper]:
     _WRAPPERS.sort(key=lambda w: -w.priority)
     _local_part_hooks[:] = [w for w in _WRAPPERS if type(w).local_part is not Wrapper.local_part]
     return cls
+
+
+def unregister(name: str) -> None:
+    """Remove the wrapper registered under `name` (a test's own wrapper, once the test is done)."""
+    _WRAPPERS[:] = [w for w in _WRAPPERS if w.name != name]
+    _local_part_hooks[:] = [w for w in _local_part_hooks if w.name != name]
 
 
 def wrappers() -> list[Wrapper]:

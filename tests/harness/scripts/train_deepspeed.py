@@ -91,8 +91,10 @@ def run(out: str, config: str, rank: int, world: int) -> None:
                        for n, p in engine.module.named_parameters()], f)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always", upd.RecorderWarning)
-        # The engine as the model, the ZeRO optimizer deepspeed.initialize returned: as users write it.
-        rec = upd.record(os.path.join(out, f"{config}.h5"), engine, zero, stats_every=1,
+        # The engine as the model and the ZeRO optimizer deepspeed.initialize returned, as users write it; under
+        # ZeRO-1 the model and the client optimizer they built instead (what `upd record` sees step, too).
+        given = (model, optimizer) if stage == "1" else (engine, zero)
+        rec = upd.record(os.path.join(out, f"{config}.h5"), *given, stats_every=1,
                          ranks="all" if name == "sgd" else None)
     if rank == 0:
         with open(os.path.join(out, f"{config}.warnings.json"), "w") as f:
