@@ -5,8 +5,8 @@ shapes, equal to the same training in one process.
 One torchrun job (tests/harness/scripts/train_deepspeed.py, module fixture `job`) trains a small transformer-like
 block whose parameter sizes do not divide 2 (partition boundaries fall inside parameters), in two param groups (so
 DeepSpeed steps its optimizer twice per step), with gradient clipping, under ZeRO-1, ZeRO-2 and ZeRO-3 with AdamW,
-ZeRO-2 with SGD and momentum (ranks="all") and ZeRO-2 with the optimizer offloaded to the CPU (refused with one
-warning). The references train the same block on the whole global batch in this process, plain torch.
+ZeRO-2 with SGD and momentum (ranks="all"), ZeRO-2 with the optimizer offloaded to the CPU (refused with one
+warning), and the Hugging Face Trainer with a DeepSpeed ZeRO-2 config and UpdCallback. The references train the same block on the whole global batch in this process, plain torch.
 
 Tolerance: stitched tensors equal the reference's within 1e-6 absolute (float32: DeepSpeed sums the ranks'
 gradients in another order; the largest difference seen is 1.2e-7), ratios (log10) within 1e-4.
@@ -47,7 +47,7 @@ def job(tmp_path_factory):
     saved = os.environ.get("DS_ACCELERATOR")
     os.environ["DS_ACCELERATOR"] = "cpu"
     try:
-        done = torchrun_script(SCRIPT, folder, *RECORDED, "2-offload", cwd=folder, timeout=600)
+        done = torchrun_script(SCRIPT, folder, *RECORDED, "2-offload", "hf", cwd=folder, timeout=600)
     finally:
         if saved is None:
             os.environ.pop("DS_ACCELERATOR")
@@ -143,3 +143,26 @@ def test_an_unsupported_option_warns_once_naming_it_and_writes_no_file(job):
         warned = json.load(f)
     assert len(warned) == 1 and "offload" in warned[0], warned
     assert not [name for name in os.listdir(folder) if name.startswith("2-offload") and name.endswith(".h5")]
+
+
+def test_the_hf_trainer_with_a_deepspeed_config_and_upd_callback_records_the_same(job):
+    """The Trainer's DeepSpeed path (Accelerate's DeepSpeedOptimizerWrapper around the ZeRO optimizer, the client
+    optimizer reached by the callback): every parameter whole under its model name, verified, and its last record's
+    parameters after the step equal to the trained model's."""
+    folder, _ = job
+    path = os.path.join(folder, "hf.h5")
+    with open(os.path.join(folder, "hf.names.json")) as f:
+        expected = sorted((n, tuple(s)) for n, s in json.load(f))
+    final = np.load(os.path.join(folder, "hf.final.npz"), allow_pickle=False)
+    with upd.open_run(path) as run:
+        assert run.parallelism == schema.DEEPSPEED and run.world_size == 2
+        table = run.params()
+        assert sorted(zip(table["param"], table["shape"])) == expected
+        assert any(len(ranks) == 2 for ranks in table["ranks"])
+        opt = run.optimizers[0]
+        assert opt.num_records == ds_job.STEPS
+        for name, _ in expected:
+            after = opt.param_records[name].read(schema.KIND_PARAM_AFTER, opt.num_records - 1)
+            np.testing.assert_allclose(after.numpy(), final[name], atol=1e-6, rtol=0)
+    report = upd.verify(path)
+    assert report.exit_code == EXIT_MATCH, report.summary()

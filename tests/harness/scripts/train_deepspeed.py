@@ -2,7 +2,8 @@
 on 2 ranks by tests/distributed/test_deepspeed.py. ``train_deepspeed.py OUT CONFIG...``: each CONFIG is
 ``<stage>-<optimizer>`` (``2-adamw``, ``1-sgd``; ``2-offload``: AdamW with the optimizer offloaded to the CPU,
 which torch-upd refuses) and its job records to OUT/<config>.h5 (rank files); rank 0 writes the model's names and
-shapes to OUT/<config>.names.json and what the recorder warned to OUT/<config>.warnings.json.
+shapes to OUT/<config>.names.json and what the recorder warned to OUT/<config>.warnings.json. CONFIG ``hf``: the
+Hugging Face Trainer with a DeepSpeed config and UpdCallback (``run_trainer``).
 
 The model is a small transformer-like block whose parameter sizes do not divide 2 (every partition boundary falls
 inside a parameter), in two param groups (weight decay and none), trained 3 steps with gradient clipping on a fixed
@@ -107,6 +108,37 @@ def run(out: str, config: str, rank: int, world: int) -> None:
             engine.step()
 
 
+def run_trainer(out: str, rank: int) -> None:
+    """The Hugging Face Trainer with a DeepSpeed ZeRO-2 config, recorded by UpdCallback: a tiny GPT-2 (tied head),
+    3 steps; rank 0 writes the model's names and shapes, and its parameters after training (all whole under
+    ZeRO-2), to OUT/hf.names.json and OUT/hf.final.npz."""
+    import numpy as np
+    import transformers
+
+    from upd.integrations.transformers import UpdCallback
+
+    config = transformers.GPT2Config(n_layer=1, n_head=1, n_embd=6, vocab_size=13, n_positions=8)
+    torch.manual_seed(0)
+    model = transformers.GPT2LMHeadModel(config)
+    g = torch.Generator().manual_seed(1)
+    data = [{"input_ids": t, "labels": t} for t in torch.randint(0, 13, (8, 5), generator=g)]
+    ds_config = {"train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto",
+                 "gradient_clipping": "auto", "zero_optimization": {"stage": 2},
+                 "zero_allow_untested_optimizer": True, "zero_force_ds_cpu_optimizer": False}
+    args = transformers.TrainingArguments(
+        os.path.join(out, "hf-trainer"), use_cpu=True, report_to="none", max_steps=STEPS,
+        per_device_train_batch_size=2, max_grad_norm=CLIP, learning_rate=1e-2, logging_steps=1, save_strategy="no",
+        disable_tqdm=True, deepspeed=ds_config, ddp_backend="gloo")
+    callback = UpdCallback(os.path.join(out, "hf.h5"), stats_every=1, strict=True)
+    trainer = transformers.Trainer(model=model, args=args, train_dataset=data, callbacks=[callback])
+    trainer.train()
+    if rank == 0:
+        with open(os.path.join(out, "hf.names.json"), "w") as f:
+            json.dump([[n, list(p.shape)] for n, p in model.named_parameters()], f)
+        np.savez(os.path.join(out, "hf.final.npz"),
+                 **{n: p.detach().float().numpy() for n, p in model.named_parameters()})
+
+
 def main() -> None:
     import deepspeed
 
@@ -114,7 +146,10 @@ def main() -> None:
     deepspeed.init_distributed(dist_backend="gloo")
     rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
     for config in configs:
-        run(out, config, rank, world)
+        if config == "hf":
+            run_trainer(out, rank)
+        else:
+            run(out, config, rank, world)
     torch.distributed.barrier()
 
 
