@@ -93,8 +93,9 @@ def run(out: str, config: str, rank: int, world: int) -> None:
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always", upd.RecorderWarning)
         # The engine as the model and the ZeRO optimizer deepspeed.initialize returned, as users write it; under
-        # ZeRO-1 the model and the client optimizer they built instead (what `upd record` sees step, too).
-        given = (model, optimizer) if stage == "1" else (engine, zero)
+        # ZeRO-1 the model and the client optimizer they built instead (what `upd record` sees step); under ZeRO-3
+        # no model (names from the engine found through its optimizer, as `upd record` finds them).
+        given = {"1": (model, optimizer), "3": (None, zero)}.get(stage, (engine, zero))
         rec = upd.record(os.path.join(out, f"{config}.h5"), *given, stats_every=1,
                          ranks="all" if name == "sgd" else None)
     if rank == 0:

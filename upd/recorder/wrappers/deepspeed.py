@@ -137,6 +137,15 @@ def _step_facts(zero) -> dict:
             "deepspeed_gradient_clipping": _number(attribute(zero, "clip_grad"))}
 
 
+def _engine_of(zero):
+    """The live DeepSpeed engine whose optimizer is `zero`, or None."""
+    engine = engine_class()
+    if engine is None:
+        return None
+    return next((obj for obj in gc.get_objects() if isinstance(obj, engine) and attribute(obj, "optimizer") is zero),
+                None)
+
+
 @register
 class DeepSpeed(Wrapper):
     name = "DeepSpeed"
@@ -164,6 +173,9 @@ class DeepSpeed(Wrapper):
     def local_optimizer(self, optimizer, model):
         if not is_zero(optimizer):
             return None
+        if model is None:  # `upd record`, which sees the client optimizer step: names from the engine's module
+            engine = _engine_of(optimizer)
+            model = None if engine is None else engine.module
         problem = _unsupported(optimizer)
         if problem is not None:
             raise TypeError(f"DeepSpeed ZeRO with {problem} cannot be recorded yet")
