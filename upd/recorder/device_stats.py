@@ -26,7 +26,7 @@ import torch
 from ..ratios import grad_to_data, update_to_data
 from ..runfile.stats_table import StatsRows
 from ..statistics import GRAD_TO_DATA, LEAN_COLUMNS, LEAN_KINDS, LEAN_STATS, STATS, UPDATE_TO_DATA
-from .snapshots import SPARSE_LAYOUTS, local_part, wait_for_copies
+from .snapshots import SPARSE_LAYOUTS, dense, local_part, wait_for_copies
 
 # Statistics of one tensor, in this order (columns "<kind>_<stat>" in the run file).
 NONFINITE = STATS.index("nonfinite")
@@ -214,6 +214,32 @@ class StepStatistics:
         self._rows.append(stats_rows(tensors, [kind.split(".")[0] in self._zero_counts for _, kind in keys]))
         self._keys += keys
         self._recount.append(tensors if recount is None else recount)
+
+    def after_step(self, step) -> dict[str, dict[str, float]]:
+        """The engine protocol (``engines.StatisticsEngine``): launch what needs the step's result (updates, and at
+        a full step the statistics of the CPU copies the record stores), then read everything."""
+        keys, tensors, update_keys, updates = [], [], [], []
+        for tracked in step.params:
+            snap, live = tracked.snapshot, tracked.live  # live: the parameter itself, after the step
+            if step.record.full:  # statistics of the CPU copies taken for the full record
+                before = snap.param
+                kinds = {"param": snap.param, "grad": snap.grad, **{f"state.{k}": v for k, v in snap.state.items()}}
+            else:
+                before = tracked.before
+                kinds = {"param": before}
+                if step.closure and live.grad is not None:  # step(closure): the gradient of the last call
+                    kinds["grad"] = local_part(live.grad)
+            for kind, t in kinds.items():
+                if t is not None:
+                    keys.append((snap.name, kind))
+                    tensors.append(t)
+            if before is not None:
+                after = local_part(live.detach())
+                updates.append((dense(after).to("cpu") if step.record.full else after) - before)
+                update_keys.append((snap.name, "update"))
+        self.launch(keys, tensors)
+        self.launch(update_keys, updates)
+        return self.read()
 
     def read(self) -> dict[str, dict[str, float]]:
         """Everything launched, on the host, with update:data and grad:data per parameter."""
@@ -412,6 +438,10 @@ class LeanStep:
         if self.params is self.live:
             return self.live
         return [local_part(q.detach()) for q in self.live]
+
+    def after_step(self, step) -> dict[str, dict[str, float]]:
+        """The engine protocol: what needs the step's result, ``read`` launches and reads with the rest."""
+        return self.read()
 
     def read(self) -> dict[str, dict[str, float]]:
         parts = self.launch_after()

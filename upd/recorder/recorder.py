@@ -14,7 +14,6 @@ import platform
 import sys
 import time
 import warnings
-from typing import Sequence
 
 import torch
 
@@ -27,6 +26,7 @@ from ..sinks.feed import SINKS_JOB, SINKS_OWN, SinkFeed, close_unused, sink_prob
 from ..sinks.tensorboard import TensorBoard
 from . import distributed, job_scalars
 from .device_stats import LeanStep, SnapshotPool, StepStatistics, element_count, lean_applies
+from .engines import LEAN, SAMPLED, StatisticsEngine, statistics_set
 from .flight_recorder import FlightRecorder
 from .grad_norms import TotalNorm, queue_after_backward, total_norm
 from .logged_scalars import HOST_BATCH_STEPS, kept, name_problem, scalar_problem, to_host
@@ -35,7 +35,7 @@ from .options import RecordOptions, record_signature
 from .naming import ParamNames, is_selected, model_names, named_parameters, patterns, uncompiled
 from .resume import has_step_counter, initial_step, resume_problems
 from .sampled_stats import SampledPool, SampledStep
-from .snapshots import (cpu_copy, dense, dtensor_class, hparams_snapshot, local_part, refuse_unlike_param,
+from .snapshots import (cpu_copy, dtensor_class, hparams_snapshot, local_part, refuse_unlike_param,
                         shard_layout, state_snapshot)
 
 
@@ -67,7 +67,7 @@ class _StepInProgress:
     params: list[_TrackedParam]
     selected: bool  # chosen by every= (with a flight recorder, full snapshots are kept for other steps too)
     closure: bool  # step(closure): the gradient exists only inside the step
-    stats: StepStatistics | LeanStep | None  # a statistics step: some launched before the step, the rest after it
+    stats: StatisticsEngine | None  # a statistics step: some launched before the step, the rest after it
     stats_meta: dict | None = None  # the statistics' parameter metadata, when known before the step (_LeanPlan)
 
 
@@ -143,22 +143,7 @@ class Recorder:
             raise IsADirectoryError(f"{self.path} is a directory; upd.record writes one file: pass a file path, "
                                     f"e.g. {os.path.join(self.path, 'run.h5')}")
         try:
-            if optimizer is None and model is not None and _is_optimizer(model):
-                raise TypeError("the optimizer was passed as the model (upd.record's second argument); write "
-                                "upd.record(path, model, optimizer), or upd.record(path, "
-                                f"optimizer={_call_name(model)}) without a model")
-            # Wrappers (Accelerate, Lightning) are looked through here; DDP and ZeRO by `distributed`, which
-            # needs to see them to decide which ranks record.
-            job_optimizers = attachable_optimizers(optimizer)
-            model = attachable_model(model)
-            # In a distributed job: which ranks record, into which file. Decided from the wrappers the user passed
-            # (DDP, ZeRO), then recording looks through them: names from the wrapped model, hooks on the optimizer
-            # that steps this rank's parameters.
-            self.rank_setup = distributed.setup(path, model, job_optimizers, ranks)
-            model = uncompiled(distributed.unwrap_model(model))
-            optimizers = [distributed.local_optimizer(opt) for opt in job_optimizers]
-            for opt in optimizers:
-                check_hookable(opt)
+            model, job_optimizers, optimizers, global_names = self._attach(model, optimizer, ranks)
         except TypeError as exc:
             self._cannot_record(exc)
             return
@@ -191,8 +176,7 @@ class Recorder:
             # an object that only looks like them fails here, and leaves no file behind.
             names_in_model = model_names(model)
             self._steps_done = [initial_step(opt) for opt in optimizers]
-            self._names = [ParamNames({**distributed.global_names(opt), **names_in_model})
-                           for opt in job_optimizers]
+            self._names = [ParamNames({**names_of_places, **names_in_model}) for names_of_places in global_names]
             opt_metas = [self._optimizer_meta(i, opt) for i, opt in enumerate(optimizers)]
             # A ZeRO rank's local optimizer holds its partition only; the job's optimizer holds them all.
             optimized = {id(p) for opt in job_optimizers for g in opt.param_groups for p in g["params"]}
@@ -289,6 +273,28 @@ class Recorder:
             raise
         self.active = True
         lifetime.recorders.add(self)
+
+    def _attach(self, model, optimizer, ranks) -> tuple:
+        """What the recorder attaches to, looked through every wrapper: (the model whose names the run uses, the
+        optimizers the user built, the local optimizers whose hooks fire, each job optimizer's names by place).
+        Sets ``rank_setup``; TypeError for what cannot be recorded."""
+        if optimizer is None and model is not None and _is_optimizer(model):
+            raise TypeError("the optimizer was passed as the model (upd.record's second argument); write "
+                            "upd.record(path, model, optimizer), or upd.record(path, "
+                            f"optimizer={_call_name(model)}) without a model")
+        # Wrappers (Accelerate, Lightning) are looked through here; DDP and ZeRO by `distributed`, which needs to
+        # see them to decide which ranks record.
+        job_optimizers = attachable_optimizers(optimizer)
+        model = attachable_model(model)
+        # In a distributed job: which ranks record, into which file. Decided from the wrappers the user passed (DDP,
+        # ZeRO), then recording looks through them: names from the wrapped model, hooks on the optimizer that steps
+        # this rank's parameters.
+        self.rank_setup = distributed.setup(self.path, model, job_optimizers, ranks)
+        model = uncompiled(distributed.unwrap_model(model))
+        optimizers = [distributed.local_optimizer(opt) for opt in job_optimizers]
+        for opt in optimizers:
+            check_hookable(opt)
+        return model, job_optimizers, optimizers, [distributed.global_names(opt) for opt in job_optimizers]
 
     def _warn_if_nothing_selected(self, opt_metas: list) -> None:
         """include=/exclude= that match no parameter record no tensor: a typo ("*.wieght") would go unnoticed until
@@ -538,13 +544,12 @@ class Recorder:
             self._layouts[opt_index] = layout
         selected = self.every is not None and step % self.every == 0
         full = selected or self._flight is not None  # the flight recorder keeps every step in memory
-        with_stats = self.stats_every is not None and step % self.stats_every == 0
-        # Statistics-only steps get the lean set, but every full_stats_every-th step the full set (device_stats).
-        lean = with_stats and not full and not (
-            self.full_stats_every is not None and step % self.full_stats_every == 0)
+        engine = statistics_set(step, stats_every=self.stats_every, full_stats_every=self.full_stats_every,
+                                full_record=full, stats_sample=self.stats_sample)
+        with_stats, lean = engine is not None, engine in (LEAN, SAMPLED)
         if not (full or with_stats):
             return
-        if lean and self._start_lean_step(opt_index, optimizer, step, closure_step):
+        if lean and self._start_lean_step(opt_index, optimizer, step, closure_step, engine == SAMPLED):
             return
         if not closure_step:  # a closure's gradient exists only inside step(): measured at its first evaluation
             self._measure_step_norms(opt_index, optimizer)
@@ -591,7 +596,7 @@ class Recorder:
                                                    closure=closure_step, stats=stats)
 
     def _start_lean_step(self, opt_index: int, optimizer: torch.optim.Optimizer, step: int,
-                         closure_step: bool = False) -> bool:
+                         closure_step: bool = False, sampled: bool = False) -> bool:
         """A lean statistics step of a single-process run, started from the layout's _LeanPlan: the statistics
         launched before the step and the total gradient norm as the step sees it taken from their per-gradient norms
         (no pass of its own). False, having done nothing, where the general path must take the step: DTensors,
@@ -623,7 +628,7 @@ class Recorder:
             dtensor = dtensor_class()
             if not lean_applies(live, grads) or (dtensor is not None and any(isinstance(g, dtensor) for g in grads)):
                 return False
-            if self.stats_sample is not None:  # single-process runs only: a DTensor's local parts get the exact set
+            if sampled:  # single-process runs only: a DTensor's local parts get the exact set
                 stats = SampledStep(self._sampled_pools.setdefault(opt_index, SampledPool(self.stats_sample)),
                                     names, live, grads)
             else:
@@ -695,34 +700,6 @@ class Recorder:
             tracked.before = part.clone()
         return None
 
-    def _step_statistics(self, pending: _StepInProgress) -> dict:
-        """Summary statistics of every recorded parameter at this step, with one device-to-host copy in all."""
-        if isinstance(pending.stats, (LeanStep, SampledStep)):
-            return pending.stats.read()
-        full = pending.record.full
-        keys, tensors, update_keys, updates = [], [], [], []
-        for tracked in pending.params:
-            snap, live = tracked.snapshot, tracked.live  # live: the parameter itself, after the step
-            if full:  # statistics of the CPU copies taken for the full record
-                before = snap.param
-                kinds = {"param": snap.param, "grad": snap.grad, **{f"state.{k}": v for k, v in snap.state.items()}}
-            else:
-                before = tracked.before
-                kinds = {"param": before}
-                if pending.closure and live.grad is not None:  # step(closure): the gradient of the last call
-                    kinds["grad"] = local_part(live.grad)
-            for kind, t in kinds.items():
-                if t is not None:
-                    keys.append((snap.name, kind))
-                    tensors.append(t)
-            if before is not None:
-                after = local_part(live.detach())
-                updates.append((dense(after).to("cpu") if full else after) - before)
-                update_keys.append((snap.name, "update"))
-        pending.stats.launch(keys, tensors)
-        pending.stats.launch(update_keys, updates)
-        return pending.stats.read()
-
     def _after_step(self, opt_index: int, optimizer: torch.optim.Optimizer) -> None:
         step = self._steps_done[opt_index]
         self._steps_done[opt_index] += 1
@@ -739,7 +716,7 @@ class Recorder:
             pending.params = [t for t in pending.params if t.snapshot.grad is not None]
             rec.params = [t.snapshot for t in pending.params]
         if pending.stats is not None:
-            rec.stats = self._step_statistics(pending)
+            rec.stats = pending.stats.after_step(pending)  # one device-to-host copy, whichever engine
             rec.stats_meta = pending.stats_meta if pending.stats_meta is not None else {
                 t.snapshot.name: param_meta(t.snapshot, local_part(t.live)) for t in pending.params}
             if self._job_scalars is not None:

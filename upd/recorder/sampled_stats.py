@@ -143,6 +143,10 @@ class SampledStep:
                 norms.append(self.exact.grad_norm.double())
             self.grad_norm = norms[0] if len(norms) == 1 else torch.linalg.vector_norm(torch.stack(norms))
 
+    def after_step(self, step) -> StatsRows:
+        """The engine protocol: everything was launched before the step."""
+        return self.read()
+
     def read(self) -> StatsRows:
         pool = self.pool
         with torch.no_grad():
