@@ -230,13 +230,13 @@ def _train_fsdp(model, optimizer, rank: int, world: int) -> None:
 
 def _fail_at(rec, step: int) -> None:
     """Make this rank's recorder fail (as a full disk would) while computing the statistics of `step`."""
-    compute = rec._step_statistics
+    after_step = rec._after_step
 
-    def failing(pending):
-        if pending.record.step == step:
+    def failing(opt_index, optimizer):
+        if rec._steps_done[opt_index] == step:  # the step about to be recorded
             raise OSError("injected: no space left on device")
-        return compute(pending)
-    rec._step_statistics = failing
+        return after_step(opt_index, optimizer)
+    rec._after_step = failing
 
 
 def _run_config(config: str, rank: int, world: int, folder: str, mesh) -> dict:

@@ -59,7 +59,7 @@ def summable(counts, stats: dict) -> np.ndarray:
     """(P, len(FIELDS)): what a rank adds for P parts of one kind, from their recorded statistics.
 
     counts: (P,) elements each part's statistics were taken over (0: not this rank's to add). stats: {stat: (P,)}
-    with the names of ``device_stats.STATS``; a NaN statistic of a counted part makes the sums NaN, as a NaN/Inf
+    with the names of ``upd.statistics.STATS``; a NaN statistic of a counted part makes the sums NaN, as a NaN/Inf
     makes the whole tensor's statistics NaN."""
     counts = np.asarray(counts, dtype=np.int64)
     stats = {k: np.asarray(v, dtype=np.float64) for k, v in stats.items()}
