@@ -10,9 +10,12 @@ sent once, as rank 0 sends it live.
 """
 from __future__ import annotations
 
+import importlib
 import math
+import os
 from typing import Iterator
 
+from . import mlflow as mlflow_sink, wandb as wandb_sink
 from .base import LIVE_COLUMNS, SinkStep
 
 BATCH_STEPS = 64  # steps per write(), as the recorder batches statistics rows
@@ -71,3 +74,31 @@ def export_tables(ratios, scalars, sink, close: bool = True) -> int:
 def export_run(run, sink, close: bool = True) -> int:
     """Send an open run's (or job's) recorded steps to `sink`; see ``export_tables``."""
     return export_tables(run.ratios(), run.scalars(), sink, close=close)
+
+
+# -- `upd analyze RUN --wandb / --mlflow`: a new tracker run per export -------------------------------------------
+TRACKERS = ("wandb", "mlflow")
+
+
+def tracker_problem(tracker: str) -> str | None:
+    """Why a run cannot be exported to `tracker` here (its package is missing or broken), or None: checked before
+    the run is read."""
+    hint = {"wandb": wandb_sink.INSTALL_HINT, "mlflow": mlflow_sink.INSTALL_HINT}[tracker]
+    try:
+        importlib.import_module(tracker)
+    except ImportError as exc:
+        return f"--{tracker} needs the {tracker} package, which is not installed or not usable ({exc}): {hint}"
+    return None
+
+
+def export_to_tracker(tracker: str, ratios, scalars, run_name: str) -> str:
+    """Send the tables to a new run of `tracker` (named `run_name`: W&B's project, mode and the rest from its
+    WANDB_* variables; MLflow's tracking URI as the sink finds it) and say in one line where they went."""
+    if tracker == "wandb":
+        sink = wandb_sink.WandB(name=run_name, job_type="upd-export")
+        where = sink.run.url or f"offline run {sink.run.id} in {os.path.dirname(sink.run.dir)}"  # what `wandb sync` takes
+        steps = export_tables(ratios, scalars, sink)
+        return f"W&B: {steps} steps in {where}"
+    sink = mlflow_sink.MLflow(run_name=run_name)
+    steps = export_tables(ratios, scalars, sink)
+    return f"MLflow: {steps} steps in run {sink.run_id} at {sink.tracking_uri}"
