@@ -44,9 +44,13 @@ class WandB:
         step_metric: the name of the x-axis value each row carries (see the module's docstring).
         step_offset: added to the recorder's step to give ``step_metric``'s value (1 for a Trainer's global step,
             which counts the steps done).
+        every: write the steps whose ``step_metric`` value is a multiple of this (default 1: all).
     """
 
-    def __init__(self, run=None, *, step_metric: str = STEP_METRIC, step_offset: int = 0, **init_options):
+    def __init__(self, run=None, *, step_metric: str = STEP_METRIC, step_offset: int = 0, every: int = 1,
+                 **init_options):
+        if int(every) < 1:
+            raise ValueError(f"WandB: every must be a positive number of steps, not {every!r}")
         wandb = import_wandb()
         if run is None:
             run = wandb.run
@@ -57,6 +61,7 @@ class WandB:
         self.run = wandb.init(**init_options) if run is None else run
         self.step_metric = str(step_metric)
         self.step_offset = int(step_offset)
+        self.every = int(every)
         self.closed = False
         self.run.define_metric(self.step_metric)
         for section in (*LIVE_COLUMNS, SCALARS_SECTION):
@@ -67,9 +72,10 @@ class WandB:
         if self.closed:
             raise ValueError("the WandB sink is closed")
         for step in steps:
-            row = metrics(step)
+            at = step.step + self.step_offset
+            row = metrics(step) if at % self.every == 0 else None
             if row:
-                row[self.step_metric] = step.step + self.step_offset
+                row[self.step_metric] = at
                 self.run.log(row)
 
     def close(self) -> None:
