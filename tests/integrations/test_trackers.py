@@ -218,3 +218,183 @@ def test_a_missing_package_is_one_message_naming_the_install(tracker, recorded, 
     assert result.exit_code == 2
     assert result.output.count("\n") == 1 and f'pip install ".[{tracker}]"' in result.output
     assert "Traceback" not in result.output
+
+
+# -- live, through the recorder's sinks ---------------------------------------------------------------------------
+LIVE_STEPS = 70  # more than one of the writer thread's batches (64 steps)
+
+
+def train_live(path, sinks, steps=LIVE_STEPS):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 2))
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    g = torch.Generator().manual_seed(0)
+    with upd.record(path, model, opt, every=10, sinks=sinks) as rec:
+        for _ in range(steps):
+            x, y = torch.randn(16, 8, generator=g), torch.randn(16, 2, generator=g)
+            loss = nn.functional.mse_loss(model(x), y)
+            rec.log(loss=loss)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+    return path
+
+
+def test_live_sinks_hold_every_step_of_the_run(tracker_env, tmp_path):
+    wandb_sink, mlflow_sink = upd.sinks.WandB(name="live"), upd.sinks.MLflow(run_name="live")
+    path = train_live(str(tmp_path / "live.h5"), [wandb_sink, mlflow_sink])
+    with upd.open_run(path) as run:
+        ratios, scalars = run.ratios(), run.scalars()
+    assert sorted(set(ratios["step"])) == list(range(LIVE_STEPS))
+    expected = trackers.expected_series(ratios)
+    rows = trackers.wandb_history(trackers.wandb_offline_file(tracker_env["folder"], wandb_sink.run.id))
+    assert len(rows) == LIVE_STEPS  # one log call per step
+    for got in (trackers.series_from_rows(rows, "upd/step"),
+                trackers.mlflow_histories(tracker_env["client"], mlflow_sink.run_id)):
+        trackers.assert_same_series(got, expected, rtol=trackers.LIVE_RTOL)
+        trackers.assert_same_series(got, expected_scalars(scalars), rtol=trackers.LIVE_RTOL)
+
+
+class FailingSink:
+    """A sink that raises when it is handed step 3."""
+
+    def __init__(self):
+        self.steps, self.closed = [], False
+
+    def write(self, steps):
+        for step in steps:
+            if step.step == 3:
+                raise RuntimeError("the tracker went away at step 3")
+            self.steps.append(step.step)
+
+    def close(self):
+        self.closed = True
+
+
+def test_a_failing_sink_warns_once_and_training_the_file_and_the_other_sinks_go_on(tracker_env, tmp_path):
+    failing, mlflow_sink = FailingSink(), upd.sinks.MLflow(run_name="beside a failing sink")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        path = train_live(str(tmp_path / "failing.h5"), [failing, mlflow_sink], steps=12)
+    ours = [w for w in caught if issubclass(w.category, upd.RecorderWarning)]
+    assert len(ours) == 1 and "step 3" in str(ours[0].message), [str(w.message) for w in ours]
+    assert failing.steps == [0, 1, 2]
+    report = upd.verify(path)
+    assert report.exit_code == 0, report.summary()
+    with upd.open_run(path) as run:
+        ratios = run.ratios()
+        assert list(run.steps()["step"]) == list(range(12))
+    trackers.assert_same_series(trackers.mlflow_histories(tracker_env["client"], mlflow_sink.run_id),
+                                trackers.expected_series(ratios), rtol=trackers.LIVE_RTOL)
+
+
+# -- the Trainers' own loggers --------------------------------------------------------------------------------------
+HF_STEPS = 4
+
+
+@pytest.fixture(scope="module")
+def hf_trained(tracker_env, tmp_path_factory):
+    """One Hugging Face Trainer reporting to wandb (offline), mlflow and tensorboard, with UpdCallback()."""
+    transformers = pytest.importorskip("transformers")
+    import mlflow
+
+    from upd.integrations.transformers import DEFAULT_FILE, UpdCallback
+
+    out = tmp_path_factory.mktemp("hf")
+    torch.manual_seed(0)
+    config = transformers.GPT2Config(n_layer=1, n_head=2, n_embd=16, vocab_size=32, n_positions=16,
+                                     bos_token_id=0, eos_token_id=0)
+    tokens = torch.randint(0, 32, (16, 8), generator=torch.Generator().manual_seed(0))
+    args = transformers.TrainingArguments(
+        str(out), use_cpu=True, report_to=["wandb", "mlflow", "tensorboard"], max_steps=HF_STEPS,
+        per_device_train_batch_size=4, learning_rate=1e-3, logging_steps=1, save_strategy="no", disable_tqdm=True,
+        run_name="hf")
+    before = {r.info.run_id for r in tracker_env["client"].search_runs(["0"])}
+    trainer = transformers.Trainer(model=transformers.GPT2LMHeadModel(config), args=args,
+                                   train_dataset=[{"input_ids": t, "labels": t} for t in tokens],
+                                   callbacks=[UpdCallback(every=2)])
+    trainer.train()
+    import wandb
+    wandb_run = wandb.run
+    wandb_run.finish()
+    mlflow_runs = [r for r in tracker_env["client"].search_runs(["0"]) if r.info.run_id not in before]
+    assert mlflow.active_run() is None
+    with upd.open_run(os.path.join(out, DEFAULT_FILE)) as run:
+        ratios = run.ratios()
+    tb_callback = next(c for c in trainer.callback_handler.callbacks if type(c).__name__ == "TensorBoardCallback")
+    return {"ratios": ratios, "wandb_id": wandb_run.id, "mlflow_runs": mlflow_runs,
+            "tb_dir": tb_callback.logging_dir, "trainer": trainer}
+
+
+def test_hf_trainer_mlflow_one_run_holds_the_loss_and_the_ratios_on_the_trainers_steps(tracker_env, hf_trained):
+    assert len(hf_trained["mlflow_runs"]) == 1  # the Trainer's own run, no second one
+    got = trackers.mlflow_histories(tracker_env["client"], hf_trained["mlflow_runs"][0].info.run_id)
+    steps = list(range(1, HF_STEPS + 1))  # the Trainer's global_step: steps done
+    assert [s for s, _ in got["loss"]] == steps
+    expected = trackers.expected_series(hf_trained["ratios"], offset=1)
+    assert [s for s, _ in expected["update_to_data/transformer.h.0.attn.c_attn.weight"]] == steps
+    trackers.assert_same_series(got, expected, rtol=trackers.LIVE_RTOL)
+
+
+def test_hf_trainer_wandb_one_run_holds_the_loss_and_the_ratios_on_the_trainers_steps(tracker_env, hf_trained):
+    rows = trackers.wandb_history(trackers.wandb_offline_file(tracker_env["folder"], hf_trained["wandb_id"]))
+    got = trackers.series_from_rows(rows, "train/global_step")
+    steps = list(range(1, HF_STEPS + 1))
+    assert [s for s, _ in got["train/loss"]] == steps
+    trackers.assert_same_series(got, trackers.expected_series(hf_trained["ratios"], offset=1),
+                                rtol=trackers.LIVE_RTOL)
+
+
+def test_hf_trainer_tensorboard_holds_the_ratios_in_the_trainers_log_dir(hf_trained):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(hf_trained["tb_dir"], size_guidance={"scalars": 0})
+    events.Reload()
+    got = {tag: [(e.step, e.value) for e in events.Scalars(tag)] for tag in events.Tags()["scalars"]}
+    assert [s for s, _ in got["train/loss"]] == list(range(1, HF_STEPS + 1))
+    trackers.assert_same_series(got, trackers.expected_series(hf_trained["ratios"], offset=1), rtol=1e-6)
+
+
+def test_lightning_mlflow_and_csv_loggers_hold_the_loss_and_the_ratios_on_the_same_steps(tracker_env, tmp_path):
+    pl = pytest.importorskip("lightning.pytorch")
+    import pandas as pd
+    from lightning.pytorch.loggers import CSVLogger, MLFlowLogger
+
+    from upd.integrations.lightning import UpdCallback
+
+    class Tiny(pl.LightningModule):
+        def __init__(self):
+            super().__init__()
+            torch.manual_seed(0)
+            self.net = nn.Sequential(nn.Linear(6, 5), nn.Tanh(), nn.Linear(5, 3))
+
+        def training_step(self, batch, batch_idx):
+            loss = nn.functional.mse_loss(self.net(batch[0]), batch[1])
+            self.log("loss", loss)
+            return loss
+
+        def configure_optimizers(self):
+            return torch.optim.AdamW(self.parameters(), lr=1e-2)
+
+    g = torch.Generator().manual_seed(0)
+    loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.randn(24, 6, generator=g),
+                                                                        torch.randn(24, 3, generator=g)), batch_size=4)
+    mlflow_logger = MLFlowLogger(experiment_name="lightning", tracking_uri=tracker_env["uri"])
+    csv_logger = CSVLogger(str(tmp_path))
+    path = str(tmp_path / "lightning.h5")
+    trainer = pl.Trainer(max_steps=5, accelerator="cpu", devices=1, enable_progress_bar=False,
+                         enable_model_summary=False, enable_checkpointing=False, default_root_dir=str(tmp_path),
+                         callbacks=[UpdCallback(path)], log_every_n_steps=1, logger=[mlflow_logger, csv_logger])
+    trainer.fit(Tiny(), loader)
+    with upd.open_run(path) as run:
+        ratios = run.ratios()
+    expected = trackers.expected_series(ratios)
+    steps = list(range(5))
+    got = trackers.mlflow_histories(tracker_env["client"], mlflow_logger.run_id)
+    assert [s for s, _ in got["loss"]] == steps  # Lightning's own logging, on the same steps
+    trackers.assert_same_series(got, expected, rtol=trackers.LIVE_RTOL)
+    table = pd.read_csv(os.path.join(csv_logger.log_dir, "metrics.csv"))
+    got = {c: sorted((int(s), float(v)) for s, v in zip(table["step"], table[c]) if v == v)
+           for c in table.columns if c != "step"}
+    assert [s for s, _ in got["loss"]] == steps
+    trackers.assert_same_series(got, expected, rtol=trackers.LIVE_RTOL)

@@ -56,14 +56,11 @@ class RecorderCallback:
                                      hook_depth=2)
 
     def _options_with(self, sinks: list) -> dict:
-        """upd.record's options, with `sinks` (the Trainer's loggers') after the user's own; statistics at every
-        step unless the user chose, since the loggers would otherwise get nothing to show."""
+        """upd.record's options, with `sinks` (the Trainer's loggers') after the user's own (upd.record then takes
+        statistics at every step unless the user chose otherwise)."""
         if not sinks:
             return self.record_options
-        options = dict(self.record_options)
-        options["sinks"] = [*options.get("sinks", ()), *sinks]
-        options.setdefault("stats_every", 1)
-        return options
+        return {**self.record_options, "sinks": [*self.record_options.get("sinks", ()), *sinks]}
 
     def _logger_sink(self, what: str, make: Callable[[], object]):
         """The sink `make()` returns for one of the Trainer's loggers (None: that logger has nothing to write to),

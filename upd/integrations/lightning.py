@@ -109,10 +109,11 @@ class UpdCallback(RecorderCallback, _CallbackBase):
         def attach():
             if not trainer.optimizers:
                 raise TypeError("the LightningModule's configure_optimizers() returned no optimizer")
+            # Made here, after _start closed an earlier fit's recorder and the loggers it wrote to.
+            options = self._options_with(self.logger_sinks(trainer))
             return record(path, trainer.model, list(trainer.optimizers), **options)
 
         path = self.run_path(trainer)
-        options = self._options_with(self.logger_sinks(trainer) if trainer.optimizers else [])
         self._start(path, "the Trainer's optimizers", attach)  # closes an earlier fit() that raised past on_exception
         self._losses, self._global_step, self._log_losses = [], trainer.global_step, True
 

@@ -18,7 +18,7 @@ here only, and only this module needs it.
 
 The integrations the Trainer reports to (``report_to=["wandb"]``, ``["mlflow"]``, ``["tensorboard"]``) get the
 statistics live, with no configuration: into the same run the Trainer logs to (``wandb.run``, MLflow's active run,
-the ``TensorBoardCallback``'s writer), on the Trainer's step axis (its ``global_step``, W&B's
+the ``TensorBoardCallback``'s log dir), on the Trainer's step axis (its ``global_step``, W&B's
 ``train/global_step``), through the recorder's sinks, off the training thread. ``UpdCallback(loggers=False)`` turns
 that off.
 """
@@ -101,8 +101,8 @@ class UpdCallback(RecorderCallback, _CallbackBase):
 
     def _trainer_callbacks(self) -> list:
         """The Trainer's callbacks, from the CallbackHandler whose call_event is calling this callback's hook (call
-        this from the hook itself): a callback is not handed the Trainer, and the TensorBoardCallback's writer (its
-        log dir is its own) is reachable only there."""
+        this from the hook itself): a callback is not handed the Trainer, and the TensorBoardCallback's log dir (it
+        chooses its own) is reachable only there."""
         frame = sys._getframe(1)
         for _ in range(_HANDLER_DEPTH):
             frame = frame.f_back
@@ -170,9 +170,12 @@ def _mlflow_sink(offset: int, every: int):
 def _tensorboard_sink(callbacks: list, offset: int):
     from ..sinks import TensorBoard
 
-    writers = [c.tb_writer for c in callbacks if type(c).__name__ == "TensorBoardCallback"
-               and getattr(c, "tb_writer", None) is not None]
-    return ShiftedSink(TensorBoard(writers[0]), offset) if writers else None
+    # A writer of its own in the TensorBoardCallback's log dir (TensorBoard shows one run per folder): that callback
+    # closes its writer in on_train_end, before this callback's on_train_end closes the recorder, whose last steps
+    # are then still to be written.
+    folders = [c.logging_dir for c in callbacks if type(c).__name__ == "TensorBoardCallback"
+               and getattr(c, "logging_dir", None)]
+    return ShiftedSink(TensorBoard(folders[0]), offset) if folders else None
 
 
 def trainer_logs(run_or_path) -> pd.DataFrame:
