@@ -35,7 +35,8 @@ import torch
 
 from ..ratios import GRAD_TO_DATA, UPDATE_TO_DATA, grad_to_data, update_to_data
 from ..runfile.stats_table import StatsRows
-from .device_stats import LEAN_COLUMNS, LEAN_KINDS, LEAN_STATS, LeanStep, SnapshotPool
+from ..statistics import LEAN_COLUMNS, LEAN_KINDS, LEAN_STATS
+from .device_stats import LeanStep, SnapshotPool
 
 BLOCK = 1  # contiguous elements per sampled block (see the module docstring)
 # Whose norms one _foreach_norm pass takes exactly, before the step: the gradient's (see the docstring). Adding
