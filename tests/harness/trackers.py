@@ -8,6 +8,7 @@ import glob
 import json
 import os
 import struct
+import time
 
 import numpy as np
 
@@ -38,6 +39,8 @@ def wandb_records(path: str):
         if length == 0 and kind == 0:  # the block's zero padding
             pos += room
             continue
+        if pos + _HEADER + length > len(data):  # a record still being written
+            break
         chunk = data[pos + _HEADER:pos + _HEADER + length]
         pos += _HEADER + length
         parts.append(chunk)
@@ -55,10 +58,18 @@ def wandb_offline_file(wandb_dir: str, run_id: str) -> str:
     return found[0]
 
 
-def wandb_history(path: str) -> list[dict]:
-    """The history rows (one per ``run.log`` commit) of a .wandb file: {key: value}, with W&B's own ``_step``."""
+def wandb_history(path: str, timeout: float = 30.0) -> list[dict]:
+    """The history rows (one per ``run.log`` commit) of a finished run's .wandb file: {key: value}, with W&B's own
+    ``_step``. wandb-core writes the file in its own process and may still be writing when ``finish()`` has
+    returned: read once its last record, the run's exit, is there."""
+    deadline = time.monotonic() + timeout
+    while True:
+        records = list(wandb_records(path))
+        if any(r.WhichOneof("record_type") == "exit" for r in records) or time.monotonic() > deadline:
+            break
+        time.sleep(0.05)
     rows = []
-    for record in wandb_records(path):
+    for record in records:
         if record.WhichOneof("record_type") == "history":
             row = {}
             for item in record.history.item:

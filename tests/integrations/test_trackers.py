@@ -398,3 +398,41 @@ def test_lightning_mlflow_and_csv_loggers_hold_the_loss_and_the_ratios_on_the_sa
            for c in table.columns if c != "step"}
     assert [s for s, _ in got["loss"]] == steps
     trackers.assert_same_series(got, expected, rtol=trackers.LIVE_RTOL)
+
+
+# -- the recipes of docs/integrations.md, as written ------------------------------------------------------------------
+def test_the_wandb_recipe_runs_as_written(tracker_env, tmp_path):
+    import wandb
+
+    from tests.integrations.test_recipes import BATCHES, check_recorded, run_recipe
+
+    names = run_recipe("Weights & Biases", tmp_path)
+    assert wandb.run is None  # the recipe finished its run
+    path = str(tmp_path / "runs" / "exp1.h5")
+    check_recorded(path, steps=BATCHES, every=5, losses=names["loss_fn"].values)
+    with upd.open_run(path) as run:
+        ratios = run.ratios()
+    found = [os.path.basename(d) for d in os.listdir(os.path.join(tracker_env["folder"], "wandb"))]
+    run_id = max((d for d in found if d.startswith("offline-run-")), key=lambda d: os.path.getmtime(
+        os.path.join(tracker_env["folder"], "wandb", d))).rsplit("-", 1)[1]
+    rows = trackers.wandb_history(trackers.wandb_offline_file(tracker_env["folder"], run_id))
+    trackers.assert_same_series(trackers.series_from_rows(rows, "upd/step"), trackers.expected_series(ratios),
+                                rtol=trackers.LIVE_RTOL)
+
+
+def test_the_mlflow_recipe_runs_as_written(tracker_env, tmp_path):
+    import mlflow
+
+    from tests.integrations.test_recipes import BATCHES, check_recorded, run_recipe
+
+    before = {r.info.run_id for r in tracker_env["client"].search_runs(["0"])}
+    names = run_recipe("MLflow", tmp_path)
+    assert mlflow.active_run() is None
+    path = str(tmp_path / "runs" / "exp1.h5")
+    check_recorded(path, steps=BATCHES, every=5, losses=names["loss_fn"].values)
+    with upd.open_run(path) as run:
+        ratios = run.ratios()
+    new = [r for r in tracker_env["client"].search_runs(["0"]) if r.info.run_id not in before]
+    assert len(new) == 1  # the recipe's run, and no second one started by the sink
+    trackers.assert_same_series(trackers.mlflow_histories(tracker_env["client"], new[0].info.run_id),
+                                trackers.expected_series(ratios), rtol=trackers.LIVE_RTOL)
