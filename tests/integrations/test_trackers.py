@@ -436,3 +436,51 @@ def test_the_mlflow_recipe_runs_as_written(tracker_env, tmp_path):
     assert len(new) == 1  # the recipe's run, and no second one started by the sink
     trackers.assert_same_series(trackers.mlflow_histories(tracker_env["client"], new[0].info.run_id),
                                 trackers.expected_series(ratios), rtol=trackers.LIVE_RTOL)
+
+
+ZERO_JOB = '''
+import sys
+import torch
+import torch.distributed as dist
+from torch.distributed.optim import ZeroRedundancyOptimizer
+import upd
+
+dist.init_process_group("gloo")
+torch.manual_seed(0)
+model = torch.nn.parallel.DistributedDataParallel(
+    torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 2)))
+opt = ZeroRedundancyOptimizer(model.parameters(), optimizer_class=torch.optim.Adam, lr=1e-2)
+g = torch.Generator().manual_seed(dist.get_rank())
+with upd.record(sys.argv[1], model, opt, every=None, stats_every=1, strict=True) as rec:
+    for _ in range(6):
+        x, y = torch.randn(16, 8, generator=g), torch.randn(16, 2, generator=g)
+        loss = torch.nn.functional.mse_loss(model(x), y)
+        rec.log(loss=loss)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+dist.destroy_process_group()
+'''
+
+
+def test_analyze_exports_a_distributed_job_whole_once(tracker_env, tmp_path):
+    """A ZeRO job (each rank records its partition of the optimizer) is sent as one run of whole parameters."""
+    from upd.cli.main import main
+
+    from tests.harness.distributed import torchrun_script
+
+    script = tmp_path / "zero_job.py"
+    script.write_text(ZERO_JOB)
+    job = str(tmp_path / "job.h5")
+    done = torchrun_script(str(script), job, cwd=str(tmp_path))
+    assert done.returncode == 0, done.stderr[-3000:]
+    with upd.open_run(job) as run:
+        assert run.world_size == 2 and len(run.ranks) == 2
+        ratios = run.ratios()
+    assert sorted(set(ratios["param"])) == ["0.bias", "0.weight", "2.bias", "2.weight"]
+    result = CliRunner().invoke(main, ["analyze", job, "--no-plots", "--mlflow"])
+    assert result.exit_code == 0, result.output
+    line = next(line for line in result.output.splitlines() if line.startswith("MLflow: "))
+    run_id = line.split(" in run ", 1)[1].split(" ")[0]
+    trackers.assert_same_series(trackers.mlflow_histories(tracker_env["client"], run_id),
+                                trackers.expected_series(ratios))
