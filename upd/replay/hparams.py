@@ -92,8 +92,8 @@ def check_step_counters(values, most: int) -> None:
     bad = ~np.isfinite(counters) | (counters < 0) | (counters > most) | (counters != np.round(counters))
     if bad.any():
         first = float(counters[int(np.argmax(bad))])
-        raise BadHyperparameter("state 'step'", f"is {first:g}, not a step count in [0, {most}] (the run's "
-                                                "largest recorded step)")
+        raise BadHyperparameter("state 'step'", f"(the step counter) is {first:g}, not a step count in [0, {most}] "
+                                                "(the run's largest recorded step)")
 
 
 def _shown(value) -> str:

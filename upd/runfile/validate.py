@@ -144,6 +144,12 @@ class Validator:
                 return None
             self.hard_link(link, where)
             obj = self._open(group, name)
+            names = h5py.h5o.get_info(obj.id).rc
+        if names > 1:
+            # One object, one name: each name the reader follows costs its work again (a 10 MB meta under 500
+            # names), and no writer of the format gives an object a second name.
+            raise self.fail(where, f"is one object under {names} names (hard links); a run file names each object "
+                                   "once")
         if not isinstance(obj, kind):
             found = "group" if isinstance(obj, h5py.Group) else "dataset" if isinstance(obj, h5py.Dataset) \
                 else type(obj).__name__
