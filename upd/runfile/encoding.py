@@ -29,7 +29,32 @@ def from_json(text: Any) -> Any:
         raise ValueError(f"expected a JSON string, found {type(text).__name__}")
     if len(text) > MAX_META_BYTES:
         raise ValueError(f"JSON attribute of {len(text)} bytes exceeds the {MAX_META_BYTES} byte limit")
-    return json.loads(text)
+    try:
+        value = json.loads(text)
+    except RecursionError:
+        raise ValueError(f"JSON nested deeper than {MAX_JSON_DEPTH} levels") from None
+    if json_depth(value) > MAX_JSON_DEPTH:
+        # Everything that walks the value (text cleaning for the terminal, comparisons) recurses: bounded here
+        raise ValueError(f"JSON nested deeper than {MAX_JSON_DEPTH} levels")
+    return value
+
+
+MAX_JSON_DEPTH = 100  # a tensor hyperparameter of HDF5's largest rank (32) inside a group list nests about 35 deep
+
+
+def json_depth(value) -> int:
+    """How deeply lists and objects nest in a parsed JSON value (0 for a number or string); without recursion."""
+    deepest, todo = 0, [(value, 1)]
+    while todo:
+        item, depth = todo.pop()
+        children = item.values() if isinstance(item, dict) else item if isinstance(item, list) else None
+        if children is None:
+            continue
+        deepest = max(deepest, depth)
+        if depth > MAX_JSON_DEPTH:
+            break
+        todo.extend((child, depth + 1) for child in children if isinstance(child, (dict, list)))
+    return deepest
 
 
 def jsonable(value: Any) -> Any:

@@ -590,7 +590,10 @@ class Run(RunReader):
         self.closed_cleanly = check.json_attr(self._file, schema.ATTR_CLOSED_CLEANLY, "root", default=False,
                                               required=False) is True
         resumes = check.json_attr(self._file, schema.ATTR_RESUMES, "root", list, default=[], required=False)
-        self.resumes = [r for r in resumes if isinstance(r, dict)]  # one entry per resume=True session
+        # One entry per resume=True session. Informational: a field that is not what the writer puts there is
+        # unknown (None), never a reason to refuse a run that is otherwise whole.
+        self.resumes = [{**r, "created_unix": r.get("created_unix") if validate.is_unix_time(r.get("created_unix"))
+                         else None} for r in resumes if isinstance(r, dict)]
 
     def _reading(self, what: str) -> Reading:
         return Reading(self.path, what, getattr(self, "_raw", None))
