@@ -295,21 +295,23 @@ class RunWriter:
             ds.resize(row + 1, axis=0)
         ds[row] = value
 
-    def _check_space(self, rec: Record) -> int:
-        """Refuse a record the disk (or the process's file-size limit) cannot take, before writing any of it; return
-        the bytes it may need.
+    def _check_space(self, recs: list) -> int:
+        """Refuse records the disk (or the process's file-size limit) cannot take, before writing any of them;
+        return the bytes they may need. The slack for metadata growth is counted once per write, not once per
+        record: a batch of 64 statistics rows of ~160 bytes each needs tens of KB, not 64 times the slack.
 
         HDF5 updates metadata in place: a write that fails half-way (ENOSPC, EFBIG) can leave metadata pointing past
         the end of the file, and the whole run unreadable. Stopping one record early keeps every committed step."""
         nbytes, datasets = 0, 4
-        for snap in rec.params if rec.full else ():
-            for t in (snap.param, snap.grad, snap.param_after, *snap.state.values()):
-                if t is not None:
-                    nbytes += t.numel() * t.element_size()
-                    datasets += 1
-        if rec.stats is not None:
-            nbytes += 64 * len(rec.stats) * 4
-        nbytes += sum(8 * (len(values) + 2) for _, _, values in rec.scalars)
+        for rec in recs:
+            for snap in rec.params if rec.full else ():
+                for t in (snap.param, snap.grad, snap.param_after, *snap.state.values()):
+                    if t is not None:
+                        nbytes += t.numel() * t.element_size()
+                        datasets += 1
+            if rec.stats is not None:
+                nbytes += 64 * len(rec.stats) * 4
+            nbytes += sum(8 * (len(values) + 2) for _, _, values in rec.scalars)
         # Twice the data (chunk allocation, alignment) plus B-tree/heap growth per dataset touched, plus slack.
         need = 2 * nbytes + 4096 * datasets + (256 << 10)
         free = shutil.disk_usage(os.path.dirname(os.path.abspath(self.path))).free
@@ -352,7 +354,7 @@ class RunWriter:
         flush, all their commits, one flush. A kill at any moment leaves each of them wholly committed or absent."""
         recs = rec if isinstance(rec, list) else [rec]
         self._check_still_there()
-        need = sum(self._check_space(r) for r in recs)
+        need = self._check_space(recs)
         self._locks.begin()  # the reservation changes the file's length: a live reader must not be copying it
         self._reserve(need)
         full, stats, scalars = {}, {}, {}  # optimizer -> its full records / statistics records / scalar rows, in order
