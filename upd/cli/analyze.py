@@ -19,7 +19,7 @@ from ..replay import ReplayRuleError
 from ..replay.engine import verify as verify_run
 from ..runfile.reader import frozen_params, open_run
 from ..sinks.export import export_to_tracker, tracker_problem
-from ..outputs import write_csv
+from ..outputs import derived_folder, input_files, refuse_inputs, write_csv
 from ..safe_text import terminal_safe, terminal_safe_frame
 from .common import RUN_ARG, fail
 from .verify import report_text
@@ -123,7 +123,8 @@ def analyze(run, out_dir, csv_path, html_path, with_verify, high, low, hist_step
         if path:
             make_parent(path, option)
     if out_dir is None and not no_plots:
-        out_dir = os.path.splitext(run)[0] + "-analysis"
+        out_dir = derived_folder(run, "-analysis")
+    refuse_inputs([csv_path, html_path, out_dir and os.path.join(out_dir, SUMMARY_CSV)], input_files([run]))
     with open_run(run) as r:
         if out_dir is not None:
             make_folder(out_dir, "--out")

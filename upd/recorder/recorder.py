@@ -882,7 +882,11 @@ class Recorder:
         return self._flight.dumps if self._flight is not None else []
 
     def close(self) -> None:
-        """Remove every hook and close the file. Safe to call twice, and after recording stopped on an error."""
+        """Remove every hook and close the file. Safe to call twice, and after recording stopped on an error.
+        A recorder inherited through fork closes nothing: the file and its writer thread are the parent's."""
+        if not lifetime.owned_here(self):
+            self.active = False
+            return
         was_active = self.active
         if was_active:
             for opt_index in list(self._scalar_rows):

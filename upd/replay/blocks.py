@@ -31,7 +31,8 @@ import torch
 
 from ..runfile import schema
 from ..runfile.errors import RunFileError
-from .registry import NotReplayable, ReplayRuleError, UnusableRecord
+from . import hparams
+from .registry import STEP_KEY, NotReplayable, ReplayRuleError, UnusableRecord
 
 # Elements of one row read and replayed at once: float64 working copies of a block take 8 bytes per element each.
 BLOCK_ELEMENTS = 1 << 21
@@ -288,19 +289,29 @@ class Tile:
         self.present = p.state_present(rows) if state_keys else np.zeros((rows.stop - rows.start, 0), bool)
         self.state = {}
         self._path = path
+        self.state_keys = state_keys
         for i, key in enumerate(state_keys):
             if self.present[:, i].any():
                 self.state[key] = self._read_state(key, rows, index if key in elementwise_keys else ())
-        self.state_keys = state_keys
 
     def _read_state(self, key, rows, index):
         try:
-            return self.p.read_part(f"{schema.STATE_GROUP}/{key}", rows, index)
+            values = self.p.read_part(f"{schema.STATE_GROUP}/{key}", rows, index)
         except RunFileError:
             if key not in self.p._group[schema.STATE_GROUP]:
                 raise RunFileError(f"{self._path}: state {key!r} of parameter {self.p.name!r} (optimizer "
                                    f"{self.p.optimizer.index}) is marked present but has no dataset") from None
             raise
+        if key == STEP_KEY:  # every step counter enters the replay here: checked before a rule sees one
+            counters = values.detach().double().cpu().numpy().reshape(values.shape[0], -1)
+            present = self.present[:counters.shape[0], self.state_keys.index(key)]
+            steps = self.p.optimizer.steps
+            try:
+                hparams.check_step_counters(counters[present], int(np.max(steps)) if len(steps) else 0)
+            except hparams.BadHyperparameter as exc:
+                raise RunFileError(f"{self._path}: parameter {self.p.name!r} (optimizer {self.p.optimizer.index}): "
+                                   f"{exc}") from None
+        return values
 
     def state_at(self, row: int) -> dict:
         i = row - self.start

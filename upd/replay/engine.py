@@ -19,7 +19,7 @@ from ..runfile import encoding, schema
 from ..runfile.job import Job
 from ..runfile.reader import OptimizerRun, ParamRecord, Run, RunFileError, open_run
 from ..runfile.record import holds_part
-from . import batch, blocks, parallel
+from . import batch, blocks, hparams, parallel
 from .explain import explain
 from .registry import (NotReplayable, ReplayRule, ReplayRuleError, check_tolerances, lookup, registered,
                        same_shape)
@@ -305,8 +305,15 @@ class OptimizerReplay:
                    state_recorded="state" in run.options.get("what", schema.WHAT_CHOICES), rtol=rtol, ulps=ulps)
 
     def group(self, record: int, index: int) -> dict:
-        if record not in self._groups:
-            self._groups[record] = [replay_hparams(g) for g in self.opt.hparams(record)]
+        if record not in self._groups:  # the one place a recorded param group enters the replay: checked here
+            groups = []
+            for i, g in enumerate(self.opt.hparams(record)):
+                try:
+                    groups.append(hparams.checked_group(replay_hparams(g)))
+                except hparams.BadHyperparameter as exc:
+                    raise RunFileError(f"{self.run.path}: optimizer {self.opt.index}: records/hparams[{record}], "
+                                       f"param group {i}: {exc}") from None
+            self._groups[record] = groups
         groups = self._groups[record]
         if index >= len(groups):
             raise RunFileError(f"{self.run.path}: optimizer {self.opt.index}: records/hparams[{record}] has "

@@ -541,7 +541,10 @@ class AsyncRunWriter:
 
     def close(self) -> None:
         """Write everything queued, close the file and end the thread. Safe to call twice. Raises the writer
-        thread's first error if no call has raised it yet."""
+        thread's first error if no call has raised it yet. In a forked child (not the process that opened it) it
+        does nothing: the thread is the parent's, and so is the file."""
+        if not lifetime.owned_here(self):
+            return
         self._shutdown()
         shared = self._shared
         if shared.error is not None and not shared.reported:

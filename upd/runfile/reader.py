@@ -149,15 +149,22 @@ class ParamRecord(ParamHistory):
     def _open_listed(self) -> None:
         """Open a parameter listed by the parameter index, and check its group against the listing: what was shown
         from the index is what its data is read as, or the file is refused."""
-        group = self._open_group()
-        listed = self._listed
-        meta = validate.param_meta(self._check, group, self._where)
-        records, storage = self._load(group)
-        problem = ("its metadata differs from the index's" if meta != listed.meta else
-                   param_index.disagreement(listed, len(records), list(storage), storage.state_keys))
-        if problem:
-            raise self._check.fail(self._where, f"{problem} (the parameter index of optimizer "
-                                                f"{self.optimizer.index} does not describe this file)")
+        failed = self.__dict__.get("_open_failed")
+        if failed is not None:  # opened once, refused once: every later read gets the same refusal, no reopening
+            raise failed
+        try:
+            group = self._open_group()
+            listed = self._listed
+            meta = validate.param_meta(self._check, group, self._where)
+            records, storage = self._load(group)
+            problem = ("its metadata differs from the index's" if meta != listed.meta else
+                       param_index.disagreement(listed, len(records), list(storage), storage.state_keys))
+            if problem:
+                raise self._check.fail(self._where, f"{problem} (the parameter index of optimizer "
+                                                    f"{self.optimizer.index} does not describe this file)")
+        except RunFileError as exc:
+            self.__dict__["_open_failed"] = exc
+            raise
         self.__dict__.update(_group=group, records=records, _storage=storage)
 
     # A parameter listed by the parameter index opens its group at the first of these (see _open_listed); one read
@@ -583,7 +590,10 @@ class Run(RunReader):
         self.closed_cleanly = check.json_attr(self._file, schema.ATTR_CLOSED_CLEANLY, "root", default=False,
                                               required=False) is True
         resumes = check.json_attr(self._file, schema.ATTR_RESUMES, "root", list, default=[], required=False)
-        self.resumes = [r for r in resumes if isinstance(r, dict)]  # one entry per resume=True session
+        # One entry per resume=True session. Informational: a field that is not what the writer puts there is
+        # unknown (None), never a reason to refuse a run that is otherwise whole.
+        self.resumes = [{**r, "created_unix": r.get("created_unix") if validate.is_unix_time(r.get("created_unix"))
+                         else None} for r in resumes if isinstance(r, dict)]
 
     def _reading(self, what: str) -> Reading:
         return Reading(self.path, what, getattr(self, "_raw", None))

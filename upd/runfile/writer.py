@@ -30,6 +30,10 @@ from .record import ParamSnapshot, Record, param_meta
 from .stats_table import StatsTableWriter
 
 try:
+    import fcntl  # POSIX: HDF5's own lock is a flock
+except ImportError:  # pragma: no cover - Windows
+    fcntl = None
+try:
     import resource  # POSIX: the file-size limit counts as space
 except ImportError:  # pragma: no cover - Windows
     resource = None
@@ -91,6 +95,32 @@ def _text(value) -> str:
     return value.decode("utf-8") if isinstance(value, bytes) else str(value)
 
 
+def _lock_before_truncating(path: str) -> WriterLocks | None:
+    """The writer's lock on an existing run that overwrite=True is about to replace (None when there is no file):
+    OSError(EBUSY) when a recorder has it open for writing (torch-upd's lock), or any HDF5 writer (HDF5's own
+    exclusive lock), before a byte of it is truncated."""
+    try:
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))
+    except FileNotFoundError:
+        return None
+    try:
+        if fcntl is not None:
+            try:  # shared: a reader's shared lock is no obstacle, a writer's exclusive one is
+                fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+            except BlockingIOError:
+                raise OSError(errno.EBUSY, f"{path} is being written by another process; not replaced") from None
+            except OSError:
+                pass  # a filesystem without flock: torch-upd's own lock below still decides
+    finally:
+        os.close(fd)  # releases the flock: HDF5 takes its own
+    try:
+        return WriterLocks(path)
+    except OSError as exc:
+        if exc.errno == errno.EBUSY:
+            raise OSError(errno.EBUSY, f"{path} is being written by another process; not replaced") from None
+        raise
+
+
 class RunWriter:
     def __init__(self, path: str, meta: dict, *, overwrite: bool, storage_dtype: str, compression,
                  resume: bool = False):
@@ -119,11 +149,22 @@ class RunWriter:
                                   "replaces files, not what a link points to): remove the link or record to its target")
         parent = os.path.dirname(os.path.abspath(self.path))
         os.makedirs(parent, exist_ok=True)  # upd.record("runs/exp1.h5", ...) creates runs/
+        # overwrite=True: the run's lock first, then the truncation. HDF5 truncates before its own lock refuses a
+        # second writer, which would destroy a live run while its recorder goes on writing into nothing.
+        locks = _lock_before_truncating(self.path) if overwrite else None
         try:
             self.file = h5py.File(self.path, mode)
         except FileExistsError:
             raise FileExistsError(f"{self.path} exists; pass overwrite=True to replace it") from None
-        self._lock_file()
+        except BaseException:
+            if locks is not None:
+                locks.close()
+            raise
+        if locks is None:
+            self._lock_file()
+        else:
+            self._locks = locks
+            locks.begin()
         self.file.attrs[schema.ATTR_FORMAT] = schema.FORMAT_NAME
         self.file.attrs[schema.ATTR_VERSION] = schema.FORMAT_VERSION
         self.file.attrs[schema.ATTR_META] = encoding.to_json(meta)
@@ -254,21 +295,23 @@ class RunWriter:
             ds.resize(row + 1, axis=0)
         ds[row] = value
 
-    def _check_space(self, rec: Record) -> int:
-        """Refuse a record the disk (or the process's file-size limit) cannot take, before writing any of it; return
-        the bytes it may need.
+    def _check_space(self, recs: list) -> int:
+        """Refuse records the disk (or the process's file-size limit) cannot take, before writing any of them;
+        return the bytes they may need. The slack for metadata growth is counted once per write, not once per
+        record: a batch of 64 statistics rows of ~160 bytes each needs tens of KB, not 64 times the slack.
 
         HDF5 updates metadata in place: a write that fails half-way (ENOSPC, EFBIG) can leave metadata pointing past
         the end of the file, and the whole run unreadable. Stopping one record early keeps every committed step."""
         nbytes, datasets = 0, 4
-        for snap in rec.params if rec.full else ():
-            for t in (snap.param, snap.grad, snap.param_after, *snap.state.values()):
-                if t is not None:
-                    nbytes += t.numel() * t.element_size()
-                    datasets += 1
-        if rec.stats is not None:
-            nbytes += 64 * len(rec.stats) * 4
-        nbytes += sum(8 * (len(values) + 2) for _, _, values in rec.scalars)
+        for rec in recs:
+            for snap in rec.params if rec.full else ():
+                for t in (snap.param, snap.grad, snap.param_after, *snap.state.values()):
+                    if t is not None:
+                        nbytes += t.numel() * t.element_size()
+                        datasets += 1
+            if rec.stats is not None:
+                nbytes += 64 * len(rec.stats) * 4
+            nbytes += sum(8 * (len(values) + 2) for _, _, values in rec.scalars)
         # Twice the data (chunk allocation, alignment) plus B-tree/heap growth per dataset touched, plus slack.
         need = 2 * nbytes + 4096 * datasets + (256 << 10)
         free = shutil.disk_usage(os.path.dirname(os.path.abspath(self.path))).free
@@ -311,7 +354,7 @@ class RunWriter:
         flush, all their commits, one flush. A kill at any moment leaves each of them wholly committed or absent."""
         recs = rec if isinstance(rec, list) else [rec]
         self._check_still_there()
-        need = sum(self._check_space(r) for r in recs)
+        need = self._check_space(recs)
         self._locks.begin()  # the reservation changes the file's length: a live reader must not be copying it
         self._reserve(need)
         full, stats, scalars = {}, {}, {}  # optimizer -> its full records / statistics records / scalar rows, in order
