@@ -30,7 +30,18 @@ class Case:
     closure: bool = False  # optimizer.step(closure) (LBFGS)
     sparse: bool = False  # model with a sparse-gradient embedding (SparseAdam)
     expect_exit: int = 0  # 3 for configurations verify must refuse to judge
+    # The implementation (forloop, foreach, fused, ...) when the case is one of several implementations of the same
+    # optimizer and options; "" when the configuration has one case. Verify must pass for every implementation,
+    # but a perturbation is the same tolerance check whichever implementation recorded the run, so each
+    # perturbation runs on one case per `options_id` (tests/verify/test_replay_matrix.py).
+    impl: str = ""
     marks: list = field(default_factory=list)
+
+
+    @property
+    def options_id(self) -> str:
+        """The (optimizer, options, model) this case shares with its other implementations."""
+        return self.id.replace(f"-{self.impl}", "", 1) if self.impl else self.id
 
 
 def all_cases() -> list[Case]:

@@ -48,7 +48,7 @@ def muon_groups(groups):
 def _adafactor(opt_id, options, impl="forloop", **case):
     kwargs = dict(options, **ADAFACTOR_IMPLS[impl])
     return Case(f"adafactor-{opt_id}-{impl}" + (f"-{case['model']}" if "model" in case else ""),
-                lambda groups, kw=kwargs: torch.optim.Adafactor(groups, **kw), perturb=_perturb(options), **case)
+                lambda groups, kw=kwargs: torch.optim.Adafactor(groups, **kw), perturb=_perturb(options), impl=impl, **case)
 
 
 def _muon(opt_id, options, **case):
