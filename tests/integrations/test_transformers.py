@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import upd
-from upd.analyzer.clipping import clipping_summary
+from tests.harness.clipping import clipping_summary
 from upd.runfile import schema
 
 from tests.harness.distributed import torchrun_script

@@ -33,7 +33,7 @@ from .naming import ParamNames, is_selected, model_names, named_parameters, patt
 from .resume import has_step_counter, initial_step, resume_problems
 from .sampled_stats import SampledPool, SampledStep
 from .snapshots import (cpu_copy, dense, dtensor_class, hparams_snapshot, local_part, refuse_unlike_param,
-                        shard_layout, state_snapshot)
+                        shard_layout, state_snapshot, wait_for_copies)
 
 
 def eager(hook):
@@ -242,7 +242,8 @@ class Recorder:
         # slower than training (+5% instead of +24% inline, docs/background.md).
         try:
             self._writer = AsyncRunWriter(self.path, meta, overwrite=overwrite, storage_dtype=dtype,
-                                          compression=compression, resume=resume, max_pending=2)
+                                          compression=compression, resume=resume, max_pending=2,
+                                          before_full_write=wait_for_copies)
         except FileExistsError:
             # Refusing to overwrite is the answer the user asked for (overwrite= defaults to False to protect an
             # earlier run): raised, before the first step, like a bad option value.
