@@ -8,7 +8,7 @@ import pandas as pd
 import torch
 
 from ..ratios import GRAD_TO_DATA, UPDATE_TO_DATA, grad_to_data, real_numbers, update_to_data
-from ..runfile import schema
+from ..runfile import schema, tensor_blocks
 from ..torch_threads import one_torch_thread
 
 RATIO_TABLE_COLUMNS = ["optimizer", "param", "record", "step", "lr", "numel", "update_to_data", "grad_to_data",
@@ -211,14 +211,13 @@ def _long_row_ratios(p, row: int, elements: int) -> dict[str, np.ndarray]:
     the row is split). The two rare extra passes read the row again block by block: the std of a row whose sums
     cancel is the two-pass std about the mean of the first pass (equal to ``torch.std`` of the whole row to float64
     rounding), and a gradient whose sums are not finite has its NaN/Inf elements counted."""
-    from ..replay.blocks import element_blocks  # a contiguous run of elements per index, as verify reads them
 
     kinds = [k if k in p.kinds else None for k in (schema.KIND_PARAM, schema.KIND_PARAM_AFTER, schema.KIND_GRAD)]
     if kinds[0] is None:
         kinds[1] = None  # no update without the parameter before the step
     if kinds[0] is None and kinds[2] is None:
         return block_ratios(None, None, None, 1)
-    indexes = element_blocks(p.stored_shape(kinds[0] or kinds[2]), elements)
+    indexes = tensor_blocks.element_blocks(p.stored_shape(kinds[0] or kinds[2]), elements)  # as verify reads them
     rows = slice(row, row + 1)
 
     def pieces(wanted=(0, 1, 2)):
@@ -255,13 +254,12 @@ def ratios_frame(run, block_bytes: int) -> pd.DataFrame:
 
 
 def _ratios_frame(run, block_bytes: int) -> pd.DataFrame:
-    from ..replay.blocks import BLOCK_ELEMENTS
 
     parts = []  # (optimizer, param, numel, records, steps, lr, stats)
     kinds = (schema.KIND_PARAM, schema.KIND_PARAM_AFTER, schema.KIND_GRAD)
     # Elements of one row read per kind at once, at most verify's block: a larger row is read in parts (reading
     # through the checked file object holds about two copies of what is read, and smaller reads stay in the cache).
-    elements = max(1, min(block_bytes // (4 * 3), BLOCK_ELEMENTS))
+    elements = max(1, min(block_bytes // (4 * 3), tensor_blocks.BLOCK_ELEMENTS))
     for opt in run.optimizers:
         lrs = opt.learning_rates
         for p in opt.param_records.values():

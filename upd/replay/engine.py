@@ -15,7 +15,7 @@ import pandas as pd
 import torch
 
 from .. import exit_codes
-from ..runfile import encoding, schema
+from ..runfile import encoding, schema, tensor_blocks
 from ..runfile.job import Job
 from ..runfile.reader import OptimizerRun, ParamRecord, Run, RunFileError, open_run
 from ..runfile.record import holds_part
@@ -323,7 +323,7 @@ def param_checks(replay: OptimizerReplay, p: ParamRecord, block_elements: int | 
     The history is read and replayed in bounded blocks (blocks.py): memory stays within a few float64 copies of
     ``block_elements`` elements, whatever the parameter's size, unless the rule needs the whole tensor."""
     opt = replay.opt
-    block_elements = block_elements or blocks.BLOCK_ELEMENTS
+    block_elements = block_elements or tensor_blocks.BLOCK_ELEMENTS
     rows = range(p.num_rows) if rows is None else rows
     checks = {row: Check(optimizer=opt.index, param=p.name, record=int(p.records[row]),
                          step=int(opt.steps[int(p.records[row])])) for row in rows}
@@ -355,7 +355,7 @@ def optimizer_checks(replay: OptimizerReplay, params: list, block_elements: int 
     """{name: param_checks(replay, p)} for parameters of one optimizer, the small parameters of each param group
     that share their records replayed together as one tensor (batch.py); the others, and every parameter of a
     batch that cannot be replayed as one or whose check mismatches, one by one."""
-    block_elements = block_elements or blocks.BLOCK_ELEMENTS
+    block_elements = block_elements or tensor_blocks.BLOCK_ELEMENTS
     out: dict[str, list] = {}
     for members in _batches(replay, params, block_elements):
         out.update(_batch_checks(replay, members))
@@ -399,7 +399,7 @@ def _batch_checks(replay: OptimizerReplay, members: list) -> dict[str, list]:
     checks = {p.name: [Check(optimizer=opt.index, param=p.name, record=int(r), step=int(opt.steps[int(r)]))
                        for r in p.records] for p, _ in members}
     redo = set()
-    # rows read at once: the batch's elements of all of them within a block (blocks.BLOCK_ELEMENTS), as one by one
+    # rows read at once: the batch's elements of all of them within a block (tensor_blocks.BLOCK_ELEMENTS), as one by one
     per_read = max(1, plan.block_elements // sum(p.numel for p, _ in members))
     tiles: list = []
     try:
@@ -466,9 +466,9 @@ class _ReplayPlan:
         if rule.needs_whole_tensor or odd:
             cut, chunk = [()], None
         elif rule.needs_whole_rows:
-            cut, chunk = blocks.element_blocks(tuple(p.shape), block_elements, whole_rows=True), None
+            cut, chunk = tensor_blocks.element_blocks(tuple(p.shape), block_elements, whole_rows=True), None
         else:
-            cut, chunk = blocks.element_blocks(tuple(p.shape), block_elements), blocks.CHUNK_ELEMENTS
+            cut, chunk = tensor_blocks.element_blocks(tuple(p.shape), block_elements), blocks.CHUNK_ELEMENTS
         eps = storage_eps(p.storage_dtype(schema.KIND_PARAM_AFTER))
         reduced = eps > _SPACING["float32"]
         ulps = rule.ulps if replay.ulps is None else replay.ulps
@@ -496,7 +496,7 @@ def _replay_blocks(replay: OptimizerReplay, p: ParamRecord, plan: _ReplayPlan, t
     path = replay.run.path
     wanted = set(todo)
     for index in plan.blocks:
-        per_tile = max(1, plan.block_elements // max(1, math.prod(blocks.block_shape(tuple(p.shape), index))))
+        per_tile = max(1, plan.block_elements // max(1, math.prod(tensor_blocks.block_shape(tuple(p.shape), index))))
         for start in range(todo[0], todo[-1] + 1, per_tile):
             rows = [r for r in range(start, min(start + per_tile, p.num_rows)) if r in wanted]
             if not rows:
