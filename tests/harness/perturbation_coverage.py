@@ -7,36 +7,23 @@ or the selection:
     python -m tests.harness.perturbation_coverage [out.json]
 """
 import json
+import pathlib
 import sys
 import tempfile
 
-import upd
-
 from tests.harness.cases import all_cases
-from tests.harness.replay_matrix import record_case
-from tests.verify.test_replay_matrix import PERTURBED, _perturbed
-
-
-class _Dir:
-    def __init__(self, path):
-        self.path = path
-
-    def __truediv__(self, name):
-        return f"{self.path}/{name}"
+from tests.harness.replay_matrix import PERTURBED, perturbation_caught, record_case
 
 
 def main(out=None):
     cases = [c for c in all_cases() if c.expect_exit == 0]
-    kept = {(p.values[0].options_id, p.values[1]) for p in PERTURBED}
+    kept = {(c.options_id, kind) for c, kind in PERTURBED}
     caught, missed = {}, []
     with tempfile.TemporaryDirectory() as tmp:
         for number, case in enumerate(cases):
             path = record_case(case, f"{tmp}/{case.id}.h5")
             for kind in case.perturb:
-                dst, record = _perturbed(case, lambda c: path, kind, _Dir(tmp))
-                report = upd.verify(dst)
-                bad = report.checks[report.checks["status"] == "mismatch"]
-                hit = report.exit_code == 1 and record in set(bad["record"])
+                hit, _summary = perturbation_caught(case, path, kind, pathlib.Path(tmp))
                 caught[f"{case.id}/{kind}"] = hit
                 if hit and (case.options_id, kind) not in kept:
                     missed.append(f"{case.id}/{kind}")
