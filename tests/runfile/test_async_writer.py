@@ -543,6 +543,7 @@ def test_garbage_collected_writer_finishes_and_closes(tmp_path, monkeypatch):
         assert run.optimizers[0].num_records == 3
 
 
+@pytest.mark.slow
 def test_exit_without_close_drains_and_does_not_hang(tmp_path):
     path = str(tmp_path / "exit.h5")
     script = textwrap.dedent(f"""
