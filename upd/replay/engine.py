@@ -280,7 +280,8 @@ def _parallel(files: dict, replays: dict, jobs: int, rule_modules, rtol, ulps) -
         return {}
     units = parallel.split_rows(units, jobs)
     runs = {file.path: file for file in files.values()}  # this process replays too
-    found = parallel.parallel_checks(units, min(jobs, len(units)), modules, runs=runs, rtol=rtol, ulps=ulps)
+    found = parallel.parallel_checks(checks_in, units, min(jobs, len(units)), modules, runs=runs, rtol=rtol,
+                                     ulps=ulps)
     out: dict = {}
     for (path, opt_index, name, _, _), checks in sorted(found.items(), key=lambda kv: kv[0][3]):  # rows in order
         out.setdefault((path, opt_index, name), []).extend(checks)
@@ -312,6 +313,25 @@ class OptimizerReplay:
             raise RunFileError(f"{self.run.path}: optimizer {self.opt.index}: records/hparams[{record}] has "
                                f"{len(groups)} param group(s), no group {index}")
         return groups[index]
+
+
+def checks_in(run, units: list, rtol, ulps, block_elements) -> list:
+    """The checks of each (optimizer index, parameter name, first row, end row) of an open run: the parameters
+    whose every row is in `units` replayed with the small ones together (optimizer_checks), the others row
+    range by row range."""
+    found = {}
+    for opt_index in dict.fromkeys(unit[0] for unit in units):
+        opt = next(o for o in run.optimizers if o.index == opt_index)
+        replay = OptimizerReplay.of(run, opt, rtol=rtol, ulps=ulps)
+        mine = [unit for unit in units if unit[0] == opt_index]
+        whole = [opt.param_records[name] for _, name, lo, hi in mine
+                 if lo == 0 and hi == opt.param_records[name].num_rows]
+        for name, checks in optimizer_checks(replay, whole, block_elements).items():
+            found[(opt_index, name, 0, opt.param_records[name].num_rows)] = checks
+        for unit in mine:
+            if unit not in found:
+                found[unit] = param_checks(replay, opt.param_records[unit[1]], block_elements, range(unit[2], unit[3]))
+    return [found[unit] for unit in units]
 
 
 def param_checks(replay: OptimizerReplay, p: ParamRecord, block_elements: int | None = None,
