@@ -11,7 +11,7 @@ from torch import nn
 
 import upd
 from upd.analyzer import plots
-from upd.analyzer.ratio_table import CANCELLATION
+from upd.runfile.ratio_table import CANCELLATION
 from upd.runfile import tensor_blocks
 from upd.runfile.reader import ParamRecord
 

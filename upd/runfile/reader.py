@@ -21,6 +21,7 @@ from .. import lifetime
 from . import encoding, livelock, param_index, schema, validate
 from .errors import Reading, RunFileError, phrase
 from .guards import GuardedFile
+from .ratio_table import ratios_table
 from .scalars_table import KEY_COLUMNS as SCALAR_KEY_COLUMNS, scalars_frame
 from .stats_table import committed_stats_rows, stats_frame, stats_param_meta
 from .validate import Validator, check_path, json_value, link_type
@@ -588,8 +589,6 @@ class Run(RunReader):
         one thread (torch.set_num_threads, restored when done): the sums are taken in chunks too small for its
         thread pool to pay off.
         """
-        from ..analyzer.ratio_table import ratios_table  # imports torch, which listing a run does not need
-
         with self._reading("the statistics table"):
             stats_rows = {opt.index: committed_stats_rows(opt) for opt in self.optimizers}
 
