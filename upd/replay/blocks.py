@@ -5,7 +5,7 @@ Most optimizers are elementwise: each element's new value depends on that elemen
 state and on scalars (lr, the step's bias corrections). Their replay can then run on any part of a tensor, and
 verify runs it on parts of two sizes:
 
-- a *block* (at most ``BLOCK_ELEMENTS`` elements of one row, a contiguous range that HDF5 reads as one
+- a *block* (at most ``runfile.tensor_blocks.BLOCK_ELEMENTS`` elements of one row, a contiguous range that HDF5 reads as one
   hyperslab) bounds memory: a 200 MB parameter is read and replayed a block at a time, and several rows of a small
   parameter are read at once (one HDF5 call per dataset instead of one per row);
 - a *chunk* (``CHUNK_ELEMENTS``) is what one call of the rule sees: small enough that the rule's float64
@@ -22,7 +22,6 @@ dimension. A rule with a state entry shaped neither like the parameter nor as a 
 """
 from __future__ import annotations
 
-import itertools
 import math
 from dataclasses import dataclass, field
 
@@ -34,38 +33,8 @@ from ..runfile.errors import RunFileError
 from . import hparams
 from .registry import STEP_KEY, NotReplayable, ReplayRuleError, UnusableRecord
 
-# Elements of one row read and replayed at once: float64 working copies of a block take 8 bytes per element each.
-BLOCK_ELEMENTS = 1 << 21
 # Elements per call of an elementwise rule: its float64 temporaries (a dozen of 256 KB) stay in a 1 MB L2 cache.
 CHUNK_ELEMENTS = 1 << 15
-
-
-def element_blocks(shape: tuple, limit: int, whole_rows: bool = False) -> list[tuple]:
-    """Index tuples over a tensor of `shape`, in order, each selecting a contiguous run of at most `limit` elements
-    (or one row along dimension 0 when a row is larger and `whole_rows`, one element at least)."""
-    numel = math.prod(shape)
-    if not shape or numel == 0 or numel <= limit:
-        return [()]
-    k = 0
-    while not whole_rows and k < len(shape) - 1 and math.prod(shape[k + 1:]) > limit:
-        k += 1
-    inner = math.prod(shape[k + 1:])
-    size = max(1, limit // inner)
-    return [(*outer, slice(lo, min(lo + size, shape[k])))
-            for outer in itertools.product(*(range(d) for d in shape[:k]))
-            for lo in range(0, shape[k], size)]
-
-
-def block_shape(shape: tuple, index: tuple) -> tuple:
-    """The shape of tensor[index] for an index from element_blocks."""
-    out = []
-    for i, d in enumerate(shape):
-        if i < len(index):
-            if isinstance(index[i], slice):
-                out.append(len(range(*index[i].indices(d))))
-        else:
-            out.append(d)
-    return tuple(out)
 
 
 def identical(a: torch.Tensor, b: torch.Tensor) -> bool:

@@ -25,12 +25,12 @@ import numpy as np
 import pandas as pd
 import torch
 
-from ..analyzer.ratio_table import ratios_table
 from ..analyzer.shard_stats import ShardCombiner
 from . import schema
 from .errors import RunFileError
 from .ranks import rank_files, rank_path
 from .validate import shape_problem
+from .ratio_table import ratios_table
 from .reader import (DEFAULT_BLOCK_BYTES, DUMP_COLUMNS, ParamHistory, ParamRecord, Run, RunReader, clip_rows,
                      describe_optimizer, steps_table)
 from .stats_table import stats_param_meta

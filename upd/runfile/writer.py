@@ -23,6 +23,7 @@ import numpy as np
 import torch
 
 from . import encoding, param_index, schema
+from .datasets import create_dataset, create_declared
 from .full_rows import ParamRows, RecordRows, ScalarRows
 from .guards import SUPERBLOCK_BYTES, parse_superblock
 from .livelock import WriterLocks
@@ -37,26 +38,6 @@ try:
     import resource  # POSIX: the file-size limit counts as space
 except ImportError:  # pragma: no cover - Windows
     resource = None
-
-
-def _h5py_dtype(decl: schema.Dataset):
-    return h5py.string_dtype() if decl.dtype == schema.STRING else np.dtype(decl.dtype)
-
-
-def _create(group: h5py.Group, decl: schema.Dataset, **layout) -> h5py.Dataset:
-    """An empty dataset as the schema declares it, resizable along every axis; layout: the shape and chunks of a
-    dataset the writer sizes itself when it creates it."""
-    rank = decl.rank
-    return group.create_dataset(decl.name, shape=layout.get("shape", (0,) * rank), maxshape=(None,) * rank,
-                                dtype=_h5py_dtype(decl), chunks=layout.get("chunks", decl.chunks),
-                                fillvalue=decl.fill)
-
-
-def _create_declared(group: h5py.Group, layout: schema.Group) -> None:
-    """The datasets of a new group whose chunks the schema fixes; the others are created at their first row."""
-    for decl in layout.datasets:
-        if decl.chunks is not None:
-            _create(group, decl)
 
 
 def _truncate(group: h5py.Group, layout: schema.Group, rows: int) -> None:
@@ -254,7 +235,7 @@ class RunWriter:
         self._locks.begin()
         grp = self.file[schema.OPTIMIZERS].create_group(str(index))
         grp.attrs[schema.ATTR_META] = encoding.to_json(meta)
-        _create_declared(grp.create_group(schema.RECORDS), schema.RECORD_TABLE)
+        create_declared(grp.create_group(schema.RECORDS), schema.RECORD_TABLE)
         grp.create_group(schema.PARAMS)
         self._records_written[index] = 0
         self._flushed()
@@ -269,7 +250,7 @@ class RunWriter:
         meta = param_meta(snap, reference)
         grp.attrs[schema.ATTR_META] = encoding.to_json(meta)
         self._param_index.setdefault(optimizer, {})[key] = param_index.entry(key, meta)
-        _create_declared(grp, schema.PARAMETER)  # the record index and state_present; tensors at their first row
+        create_declared(grp, schema.PARAMETER)  # the record index and state_present; tensors at their first row
         st = grp.create_group(schema.STATE_GROUP)
         st.attrs[schema.STATE_KEYS] = encoding.to_json([])
         return grp
@@ -402,7 +383,7 @@ class RunWriter:
             opt = self._optimizer(optimizer)
             if schema.SCALARS not in opt:
                 table = opt.create_group(schema.SCALARS)
-                _create_declared(table, schema.SCALARS_TABLE)
+                create_declared(table, schema.SCALARS_TABLE)
                 table.attrs[schema.SCALAR_COLUMNS] = encoding.to_json([])
             found = self._scalar_rows[optimizer] = ScalarRows(opt[schema.SCALARS])
         return found
@@ -476,7 +457,7 @@ class RunWriter:
         """Append a flight-recorder dump (reason, trigger step, steps written) to /flight_dumps."""
         self._locks.begin()
         if schema.FLIGHT_DUMPS not in self.file:
-            _create(self.file, schema.ROOT.dataset(schema.FLIGHT_DUMPS))
+            create_dataset(self.file, schema.ROOT.dataset(schema.FLIGHT_DUMPS))
         ds = self.file[schema.FLIGHT_DUMPS]
         self._append(ds, ds.shape[0], encoding.to_json(info))
         self._flushed()
