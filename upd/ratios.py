@@ -18,6 +18,8 @@ complex plane counts like any other change. The recorder's statistics and the an
 """
 from __future__ import annotations
 
+import math
+
 import numpy as np
 import torch
 
@@ -46,3 +48,62 @@ def update_to_data(update_std, param_std):
 def grad_to_data(grad_std, param_std):
     """log10(std(grad) / std(param before the step))."""
     return log10_ratio(grad_std, param_std)
+
+
+# The metrics other tools log beside the std ratio (docs/diagnosis.md, "Metrics"), log10 like the two above so
+# that all three read on the same scale (healthy near -3).
+RMS_UPDATE_TO_DATA = "rms_update_to_data"
+SPECTRAL_UPDATE_TO_DATA = "spectral_update_to_data"
+
+
+def rms_update_to_data(update_norm, param_norm):
+    """log10(||update||_F / ||param before the step||_F): the relative Frobenius norm of the update, the "RMS
+    ratio" T5X, Composer and Cockpit log (RMS(dW) / RMS(W) over the same n elements is the same quotient). From the
+    L2 norms the recorder and the analyzer already compute; unlike the std ratio it counts a shift of the mean."""
+    return log10_ratio(update_norm, param_norm)
+
+
+# Power iterations of spectral_norm: each multiplies by A^T A, so the error in sigma_1 shrinks like
+# (sigma_2 / sigma_1)^(2 * iterations); tests/analyzer/test_metrics.py states the tolerance this gives.
+POWER_ITERATIONS = 30
+
+
+def matrix_view(t: torch.Tensor) -> torch.Tensor:
+    """A weight as the matrix its spectral norm is taken of: (out, everything else), as a convolution kernel
+    (out, in, kh, kw) maps its flattened input patch to its output channels."""
+    return real_numbers(t).reshape(t.shape[0], -1) if not t.is_complex() else t.reshape(t.shape[0], -1)
+
+
+def spectral_norm(matrix: torch.Tensor, iterations: int = POWER_ITERATIONS, seed: int = 0) -> float:
+    """The largest singular value ||A||_2 of a 2-D tensor by power iteration on A^T A from a fixed random start
+    (float64; a few matrix-vector products, never a decomposition). A lower bound that converges from below."""
+    a = matrix.to(torch.complex128 if matrix.is_complex() else torch.float64)
+    if a.numel() == 0:
+        return 0.0
+    if a.shape[0] < a.shape[1]:
+        a = a.mH  # iterate in the smaller dimension
+    gen = torch.Generator().manual_seed(seed)
+    v = torch.randn(a.shape[1], generator=gen, dtype=torch.float64).to(a.dtype)
+    sigma = 0.0
+    for _ in range(iterations):
+        u = a @ v
+        norm_u = float(torch.linalg.vector_norm(u))
+        if norm_u == 0 or not math.isfinite(norm_u):
+            return norm_u if math.isfinite(norm_u) else float("nan")
+        w = a.mH @ (u / norm_u)
+        sigma = float(torch.linalg.vector_norm(w))  # = ||A^T A v|| / ||A v|| -> sigma_1
+        if sigma == 0:
+            return norm_u
+        v = w / sigma
+    return float(torch.linalg.vector_norm(a @ v))
+
+
+def spectral_update_to_data(before: torch.Tensor, after: torch.Tensor, iterations: int = POWER_ITERATIONS) -> float:
+    """log10(||after - before||_2 / ||before||_2) of a weight (ndim >= 2, viewed as matrix_view): the spectral-norm
+    ratio whose scaling the "spectral condition for feature learning" (Yang, Simon and Bernstein, arXiv 2310.17813)
+    states; NaN for a tensor with fewer than two dimensions."""
+    if before.dim() < 2:
+        return float("nan")
+    update = after.to(torch.float64) - before.to(torch.float64) if not before.is_complex() else after - before
+    return float(log10_ratio(spectral_norm(matrix_view(update), iterations),
+                             spectral_norm(matrix_view(before), iterations)))
