@@ -164,19 +164,23 @@ def _param_findings(key, rows: pd.DataFrame, weight: bool, median: float, rules:
             start = since_index(side == sign)
             median_out = math.isfinite(median) and (median > rules.high if sign > 0 else median < rules.low)
             tail = start is not None and n - start >= max(MIN_TAIL_STEPS, TAIL_SHARE * n)
-            if not (median_out and start is not None) and not tail:
+            if not median_out and not tail:
                 continue
-            since = int(steps[start]) if start is not None else int(steps[0])
-            ratio = values["update_to_data"][start:] if start is not None else values["update_to_data"]
-            tail_median = float(np.median(ratio[np.isfinite(ratio)]))
-            distance = abs(tail_median - (rules.high if sign > 0 else rules.low))
+            out_steps = int((side == sign).sum())
+            if start is None:  # the median is out, but the run came back in at the end (an lr decay): first step out
+                start = int(np.argmax(side == sign))
+            since = int(steps[start])
+            ratio = values["update_to_data"][start:]
+            since_median = float(np.median(ratio[np.isfinite(ratio)]))
+            distance = abs(median - bound) if median_out else abs(since_median - bound)
             advice = "lr too high for it, or a badly scaled layer" if sign > 0 else "it barely moves: lr too low"
             out.append(Finding(
                 rules_.OUT_OF_BAND, SEVERITY[rules_.OUT_OF_BAND] + min(distance, 9.9),
-                f"{name}: update:data {word} {bound:g} since step {since} (median {tail_median:.2f} over those "
-                f"{n - (start or 0)} steps, {median:.2f} over the run; {advice})",
-                [name], since, {"side": word, "bound": bound, "since_step": since, "median_since": tail_median,
-                                "median_run": median, "steps": n - (start or 0)}))
+                f"{name}: update:data {word} {bound:g} since step {since}, on {out_steps}/{n} steps (median "
+                f"{median:.2f} over the run" + (f", {since_median:.2f} from step {since}" if start else "")
+                + f"; {advice})",
+                [name], since, {"side": word, "bound": bound, "since_step": since, "steps_out": out_steps, "of": n,
+                                "median_run": median, "median_since": since_median}))
             break
 
     if weight:
