@@ -67,6 +67,13 @@ def multiplier(target: float, measured: float) -> float:
     return 10.0 ** (target - measured) if math.isfinite(measured) else math.nan
 
 
+def median_lr(lrs) -> float:
+    """The median of the recorded lrs (NaN when none is known)."""
+    values = np.asarray(lrs, dtype=np.float64)
+    values = values[np.isfinite(values)]
+    return float(np.median(values)) if len(values) else math.nan
+
+
 def parse_steps(text: str | None) -> tuple[int | None, int | None]:
     """'A:B' -> (A, B), either side optional ('100:', ':500'); B inclusive. ValueError on anything else."""
     if text is None:
@@ -90,6 +97,7 @@ class Advice:
     per_param: pd.DataFrame  # ADVICE_COLUMNS, one row per weight, in model order
     per_group: pd.DataFrame  # optimizer, group, weights, measured (median of its weights' medians), lr, multiplier...
     optimizers: dict = field(default_factory=dict)  # {index: {"class", "proportional", "why"}}
+    others: dict = field(default_factory=dict)  # {(optimizer, group): ([names not judged], their lr)}
     assumption: str = ASSUMPTION
 
     def snippet(self, optimizer: int = 0) -> str:
@@ -100,10 +108,14 @@ class Advice:
         lines = ["params = dict(model.named_parameters())", "param_groups = ["]
         for r in rows.itertuples():
             lines.append(f'    {{"params": [params[{json.dumps(r.param)}]], "lr": {r.advised_lr:.3g}}},')
-        for g in groups.itertuples():
-            if isinstance(g.others, list) and g.others and math.isfinite(g.advised_lr):
-                names = ", ".join(f"params[{json.dumps(n)}]" for n in g.others)
-                lines.append(f'    {{"params": [{names}], "lr": {g.advised_lr:.3g}}},  # group {g.group}: not weights')
+        advised = {g.group: g.advised_lr for g in groups.itertuples() if math.isfinite(g.advised_lr)}
+        for (opt, group), (names, lr) in sorted(self.others.items()):
+            if opt != optimizer or not names:
+                continue
+            listed = ", ".join(f"params[{json.dumps(n)}]" for n in names)
+            why = "its weights' advice" if group in advised else "unchanged: no weight in it to measure"
+            lines.append(f'    {{"params": [{listed}], "lr": {advised.get(group, lr):.3g}}},  # group {group}, not '
+                         f"weights: {why}")
         lines.append("]")
         return "\n".join(lines)
 
@@ -138,12 +150,13 @@ def advise_from_tables(ratios: pd.DataFrame, params: pd.DataFrame, classes: dict
             continue
         group = group_of.get((opt, name), 0)
         if not is_weight(shapes.get((opt, name), ())):
-            others.setdefault((opt, group), []).append(name)
+            names, lr = others.setdefault((opt, group), ([], median_lr(part["lr"])))
+            names.append(name)
             continue
         u2d = part["update_to_data"].to_numpy(float)
         finite = u2d[np.isfinite(u2d)]
         measured = float(np.median(finite)) if len(finite) else math.nan
-        lr = float(np.nanmedian(part["lr"].to_numpy(float))) if part["lr"].notna().any() else math.nan
+        lr = median_lr(part["lr"])
         proportional, why = kinds.get(opt, (None, "optimizer not recorded"))
         if not proportional:
             m, note = math.nan, why
@@ -159,17 +172,18 @@ def advise_from_tables(ratios: pd.DataFrame, params: pd.DataFrame, classes: dict
     for (opt, group), part in per_param.groupby(["optimizer", "group"], sort=True):
         finite = part["measured"][np.isfinite(part["measured"])]
         measured = float(np.median(finite)) if len(finite) else math.nan
-        lr = float(np.nanmedian(part["lr"])) if part["lr"].notna().any() else math.nan
+        lr = median_lr(part["lr"])
         proportional, why = kinds.get(opt, (None, ""))
         m = multiplier(target, measured) if proportional else math.nan
         group_rows.append({"optimizer": int(opt), "group": int(group), "weights": len(part), "measured": measured,
                            "lr": lr, "multiplier": m, "advised_lr": lr * m if math.isfinite(m) else math.nan,
-                           "others": others.get((int(opt), int(group)), []), "note": "" if proportional else why})
+                           "others": others.get((int(opt), int(group)), ([], 0))[0], "note": "" if proportional else why})
     per_group = pd.DataFrame(group_rows, columns=["optimizer", "group", "weights", "measured", "lr", "multiplier",
                                                   "advised_lr", "others", "note"])
     measured_steps = (int(chosen["step"].min()), int(chosen["step"].max())) if len(chosen) else None
     optimizers = {int(i): {"class": str(c), "proportional": kinds[i][0], "why": kinds[i][1]} for i, c in classes.items()}
-    return Advice(target=target, steps=measured_steps, per_param=per_param, per_group=per_group, optimizers=optimizers)
+    return Advice(target=target, steps=measured_steps, per_param=per_param, per_group=per_group, optimizers=optimizers,
+                  others=others)
 
 
 def advise(run, *, target: float = DEFAULT_TARGET, steps: tuple = (None, None)) -> Advice:
