@@ -196,3 +196,60 @@ def test_findings_first_in_terminal_json_and_html(runs, tmp_path):
     assert {"summary", "metrics", "notes", "findings_text"} <= set(data)
     row = next(r for r in data["metrics"] if r["param"] == "0.weight" and r["step"] == 3)
     assert np.isfinite(row["rms_update_to_data"])
+
+
+def train_adam_state(path, *, loss_scale=1.0, reset_second_moment_at=None, steps=20):
+    """Adam with the full statistics set (state included) at every step; optionally a loss scaled far down (the
+    gradients then sit below eps) or the second moment wiped at one step (a checkpoint load that lost it)."""
+    net = mlp()
+    opt = torch.optim.Adam(net.parameters(), lr=1e-4)
+    gen = torch.Generator().manual_seed(1)
+    with upd.record(path, net, opt, every=None, stats_every=1, full_stats_every=1, overwrite=True):
+        for step in range(steps):
+            x = torch.randn(64, 16, generator=gen)
+            loss = loss_scale * net(x).pow(2).mean()
+            opt.zero_grad()
+            loss.backward()
+            if step == reset_second_moment_at:
+                for state in opt.state.values():
+                    state["exp_avg_sq"].zero_()
+            opt.step()
+
+
+@pytest.mark.slow
+def test_adam_state_anomalies_are_found_and_a_normal_state_is_not(tmp_path):
+    train_adam_state(tmp_path / "tiny.h5", loss_scale=1e-14)
+    found = [f for f in findings_of(tmp_path / "tiny.h5") if f.kind == alert_rules.SECOND_MOMENT_COLLAPSE]
+    assert {p for f in found for p in f.params} >= {"0.weight", "2.weight", "4.weight"}
+    assert all("eps, not the gradient" in f.text and f.evidence["value"] < 1e-8 for f in found)
+
+    train_adam_state(tmp_path / "wiped.h5", reset_second_moment_at=10)
+    found = [f for f in findings_of(tmp_path / "wiped.h5") if f.kind == alert_rules.EXP_AVG_RATIO]
+    assert found and all(f.step == 10 for f in found), [f.text for f in found]
+    assert all(f.evidence["value"] > 10 for f in found)
+
+    train_adam_state(tmp_path / "normal.h5")
+    assert not {alert_rules.SECOND_MOMENT_COLLAPSE, alert_rules.EXP_AVG_RATIO} & kinds(findings_of(tmp_path / "normal.h5"))
+
+
+def test_rules_take_one_step_or_whole_columns_alike():
+    rules = alert_rules.AlertRules()
+    column = {"update_to_data": np.array([-3.0, -1.0, -5.0, np.nan, -np.inf]),
+              "update_norm": np.array([1.0, 1.0, 1.0, 0.0, 0.0]), "grad_norm": np.array([1.0, 1.0, 1.0, 0.0, 1.0])}
+    whole = alert_rules.out_of_band(column, rules), alert_rules.not_moving(column, rules)
+    for i in range(5):
+        one = {k: float(v[i]) for k, v in column.items()}
+        assert int(alert_rules.out_of_band(one, rules)) == whole[0][i]
+        assert int(alert_rules.not_moving(one, rules)) == whole[1][i]
+    assert list(whole[0]) == [0, 1, -1, 0, 0]
+    assert list(whole[1]) == [0, 0, 0, alert_rules.GRAD_ZERO, alert_rules.UPDATE_ZERO]
+    norms = np.r_[np.ones(8), 50.0, np.ones(3)]
+    history = alert_rules.NormHistory(rules)
+    live = []
+    for n in norms:
+        live.append(float(alert_rules.update_spike({"update_norm": n}, history.baseline("w"), rules)))
+        history.add("w", n)
+    offline = alert_rules.update_spike({"update_norm": norms}, alert_rules.spike_baselines(norms, rules), rules)
+    assert live == list(offline) and np.flatnonzero(offline).tolist() == [8]
+    with pytest.raises(ValueError):
+        alert_rules.AlertRules(low=-1, high=-2)
