@@ -11,7 +11,9 @@ from ..outputs import make_output_dir, open_output, write_csv
 from ..runfile.job import Job
 from ..runfile.reader import Run, open_run
 from ..alert_rules import AlertRules
-from .findings import Finding, find, format_findings
+from ..replay.engine import replica_checks
+from ..runfile.job import REPLICATED
+from .findings import Finding, find, format_findings, replica_findings
 from .metrics import METRICS, metrics_table, spectral_rows, with_metric_medians
 from .steps import compared_steps, describe_steps, full_record_steps, histogram_keys
 from .summary import Thresholds, summarize
@@ -82,6 +84,29 @@ def sample_notes(ratios: pd.DataFrame, options: dict) -> list[str]:
             f"(stats_sample={sample}; docs/performance.md gives the error), exact for the others and at full-set steps"]
 
 
+# Replica agreement is checked by analyze when the replicas to compare hold at most this many bytes (parameters
+# before and after each step, every replica): beyond, reading them all again is verify's job, and analyze says so.
+REPLICA_CHECK_BYTES = 256 * 1024 * 1024
+
+
+def replica_check(run) -> tuple[list[Finding], list[str]]:
+    """(findings, notes) on the replicas of a distributed job recorded with ranks="all": diverging replicas as
+    findings when they are cheap to compare, else a note saying they were not compared; nothing for a single file
+    or a job without replicas."""
+    if not isinstance(run, Job):
+        return [], []
+    size = 0
+    for opt in run.optimizers:
+        for p in opt.param_records.values():
+            if getattr(p, "layout", None) == REPLICATED and len(getattr(p, "ranks", ())) > 1:
+                size += 2 * p.numel * 8 * p.num_rows * len(p.ranks)
+    if not size:
+        return [], []
+    if size > REPLICA_CHECK_BYTES:
+        return [], [f"replicas not compared here ({size / 1e6:.0f} MB to read): `upd verify` checks that they agree"]
+    return replica_findings(replica_checks(run.ranks)), []
+
+
 def _stats_if_any(run) -> pd.DataFrame | None:
     """The statistics table when the run recorded one (its zero fractions and state statistics feed the findings)."""
     if not any(opt.committed_stats_steps().size for opt in run.optimizers):
@@ -113,6 +138,8 @@ def analyze(run, out_dir=None, *, thresholds: Thresholds = Thresholds(), hist_st
         summary = with_metric_medians(summarize(ratios, params, thresholds), metrics)
         rules = AlertRules(low=thresholds.low, high=thresholds.high)
         findings = find(ratios, params, summary, scalars=run.scalars(), stats=_stats_if_any(run), rules=rules)
+        replicas, replica_notes = replica_check(run)
+        findings = sorted(findings + replicas, key=lambda f: -f.severity)
         images = {}
         if plots:
             from .plots import render_all  # matplotlib is imported only when plots are asked for
@@ -130,7 +157,8 @@ def analyze(run, out_dir=None, *, thresholds: Thresholds = Thresholds(), hist_st
                 written.append(path)
             write_csv(summary, os.path.join(out_dir, SUMMARY_CSV))  # spreadsheet-safe cells
         return Analysis(ratios=ratios, summary=summary, plots=written, images=images, hist_steps=hist_steps,
-                        notes=source_notes(ratios, full_steps, hist_steps) + sample_notes(ratios, run.options),
+                        notes=source_notes(ratios, full_steps, hist_steps) + sample_notes(ratios, run.options)
+                        + replica_notes,
                         findings=findings, metrics=metrics, rules=rules)
     finally:
         if own:

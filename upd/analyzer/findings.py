@@ -38,8 +38,9 @@ NAMES_SHOWN = 4
 
 # Severity: the rank of a finding (higher first); within a kind, larger numbers first.
 SEVERITY = {rules_.NONFINITE: 100, "update_spike_loss": 90, rules_.NOT_MOVING: 80, rules_.SECOND_MOMENT_COLLAPSE: 70,
-            rules_.EXP_AVG_RATIO: 70, rules_.OUT_OF_BAND: 60, rules_.UPDATE_SPIKE: 50, "clipping": 40}
+            rules_.EXP_AVG_RATIO: 70, "replicas_diverge": 95, rules_.OUT_OF_BAND: 60, rules_.UPDATE_SPIKE: 50, "clipping": 40}
 CLIPPING = "clipping"
+REPLICAS = "replicas_diverge"
 
 
 @dataclass
@@ -270,8 +271,56 @@ def find(ratios: pd.DataFrame, params: pd.DataFrame, summary: pd.DataFrame, *, s
             spikes_by_opt.setdefault(key[0], []).extend(spikes)
     for opt, spikes in spikes_by_opt.items():
         out += spike_findings(spikes, loss_series(scalars, opt), rules)
+    out = group_band_findings(out)
     out += clipping_findings(scalars)
     return sorted(out, key=lambda f: -f.severity)
+
+
+def group_band_findings(findings: list[Finding]) -> list[Finding]:
+    """The out-of-band findings of one side as one line (most distant first), each weight with its own since-step
+    and numbers: a 100-weight model whose lr is too high for all of them gets one line, not a hundred."""
+    band = {}
+    for f in findings:
+        if f.kind == rules_.OUT_OF_BAND:
+            band.setdefault(f.evidence["side"], []).append(f)
+    rest = [f for f in findings if f.kind != rules_.OUT_OF_BAND]
+    for side, group in band.items():
+        if len(group) == 1:
+            rest += group
+            continue
+        group.sort(key=lambda f: -f.severity)
+        e0 = group[0].evidence
+        advice = "lr too high for them, or badly scaled layers" if side == "above" else "they barely move: lr too low"
+        parts = [f"{f.params[0]} since step {f.step} (median {f.evidence['median_run']:.2f}, out on "
+                 f"{f.evidence['steps_out']}/{f.evidence['of']} steps)" for f in group[:NAMES_SHOWN]]
+        more = f" and {len(group) - NAMES_SHOWN} more" if len(group) > NAMES_SHOWN else ""
+        rest.append(Finding(rules_.OUT_OF_BAND, group[0].severity,
+                            f"{len(group)} weights' update:data {side} {e0['bound']:g} ({advice}): "
+                            + "; ".join(parts) + more,
+                            [f.params[0] for f in group], min(f.step for f in group),
+                            {"side": side, "bound": e0["bound"], "weights": [
+                                {"param": f.params[0], **{k: v for k, v in f.evidence.items()
+                                                          if k not in ("side", "bound")}} for f in group]}))
+    return rest
+
+
+def replica_findings(checks: list) -> list[Finding]:
+    """Replicas that diverge, from the replay engine's replica checks ([(rank, Check)]): one finding per rank."""
+    by_rank: dict[int, list] = {}
+    for rank, check in checks:
+        by_rank.setdefault(int(rank), []).append(check)
+    out = []
+    for rank, found in sorted(by_rank.items()):
+        found.sort(key=lambda c: (c.step, c.param))
+        first = found[0]
+        out.append(Finding(REPLICAS, SEVERITY[REPLICAS],
+                           f"replica on rank {rank} diverges: {_names([c.param for c in found])} differ from the "
+                           f"reference copy, first at step {first.step} ({first.param}: max abs diff "
+                           f"{first.max_abs_err:.3g}); replicated training keeps them bitwise equal",
+                           [c.param for c in found], int(first.step),
+                           {"rank": rank, "params": [{"param": c.param, "step": int(c.step),
+                                                      "max_abs_diff": c.max_abs_err} for c in found]}))
+    return out
 
 
 def healthy_line(summary: pd.DataFrame, ratios: pd.DataFrame, rules: AlertRules = AlertRules()) -> str:
