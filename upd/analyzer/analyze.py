@@ -33,9 +33,9 @@ class Analysis:
     metrics: pd.DataFrame | None = None  # per (optimizer, param, step): std, RMS and spectral ratios (metrics.py)
     rules: AlertRules = AlertRules()  # the thresholds the findings used
 
-    def findings_text(self) -> str:
-        """The findings section: a numbered line per finding, or the one healthy line."""
-        return format_findings(self.findings, self.summary, self.ratios, self.rules)
+    def findings_text(self, escape=str) -> str:
+        """The findings section: a numbered line per finding (each passed through escape), or the healthy line."""
+        return format_findings(self.findings, self.summary, self.ratios, self.rules, escape)
 
     def to_dict(self) -> dict:
         """The whole analysis as plain JSON data: findings, summary, per-step metrics, notes (`upd analyze --json`)."""

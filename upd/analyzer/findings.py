@@ -335,10 +335,11 @@ def healthy_line(summary: pd.DataFrame, ratios: pd.DataFrame, rules: AlertRules 
 
 
 def format_findings(findings: list[Finding], summary: pd.DataFrame, ratios: pd.DataFrame,
-                    rules: AlertRules = AlertRules()) -> str:
-    """The findings section of `upd analyze`: a numbered line per finding, or the healthy line."""
+                    rules: AlertRules = AlertRules(), escape=str) -> str:
+    """The findings section of `upd analyze`: a numbered line per finding, or the healthy line. escape: applied to
+    each finding's text (names are the file's text: the terminal gets upd.safe_text.terminal_safe)."""
     if not findings:
         return "findings: " + healthy_line(summary, ratios, rules)
     lines = [f"findings ({len(findings)}, most severe first):"]
-    lines += [f"  {i}. {f.text}" for i, f in enumerate(findings, 1)]
+    lines += [f"  {i}. {escape(f.text)}" for i, f in enumerate(findings, 1)]
     return "\n".join(lines)

@@ -28,7 +28,7 @@ from .verify import report_text
 
 def echo_analysis(result, thresholds: Thresholds) -> None:
     safe = dataclasses.replace(result, summary=terminal_safe_frame(result.summary))  # names: the file's text
-    click.echo("\n".join(map(terminal_safe, result.findings_text().splitlines())) + "\n")  # findings first
+    click.echo(result.findings_text(terminal_safe) + "\n")  # findings first; names are the file's text
     click.echo(format_summary(safe.summary))
     click.echo("\n" + verdict(safe, thresholds))
     for note in result.notes:
