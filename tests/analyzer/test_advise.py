@@ -93,6 +93,7 @@ def test_cli_table_snippet_json_and_steps(wrong_run):
     assert out.exit_code == 0, out.output
     assert "over steps 10..29" in out.output and "short horizon" in out.output
     snippet = out.output[out.output.index("params = dict"):out.output.index("]\n") + 1]
+    assert "optimizer = torch.optim.AdamW(param_groups, ...)" in out.output
     net = model()
     params = dict(net.named_parameters())
     groups = eval(snippet.split("\n", 1)[1].split("=", 1)[1])  # the snippet is valid Python for a real optimizer

@@ -117,6 +117,8 @@ class Advice:
             lines.append(f'    {{"params": [{listed}], "lr": {advised.get(group, lr):.3g}}},  # group {group}, not '
                          f"weights: {why}")
         lines.append("]")
+        cls = self.optimizers.get(optimizer, {}).get("class", "the optimizer")
+        lines.append(f"optimizer = {cls}(param_groups, ...)  # your other options as before")
         return "\n".join(lines)
 
     def to_dict(self) -> dict:
