@@ -135,11 +135,19 @@ def baseline_of(previous, rules: AlertRules = AlertRules()) -> float:
 
 def spike_baselines(norms, rules: AlertRules = AlertRules()) -> np.ndarray:
     """baseline_of at every step of one parameter's update-norm column (in step order): element i is the baseline
-    of the norms before i. Equal to feeding the column step by step through NormHistory."""
+    of the norms before i, computed for all steps at once (a sliding window). Equal to feeding the column step by
+    step through NormHistory (tests/analyzer/test_findings.py)."""
     norms = np.asarray(norms, dtype=np.float64)
     out = np.full(len(norms), np.nan)
-    for i in range(rules.spike_min_history, len(norms)):
-        out[i] = baseline_of(norms[max(0, i - rules.spike_window):i], rules)
+    if len(norms) <= rules.spike_min_history:
+        return out
+    kept = np.where(np.isfinite(norms) & (norms > 0), norms, np.nan)
+    padded = np.concatenate([np.full(rules.spike_window, np.nan), kept[:-1]])  # element i's window ends at i - 1
+    windows = np.lib.stride_tricks.sliding_window_view(padded, rules.spike_window)
+    known = (~np.isnan(windows)).sum(axis=1)
+    enough = known >= rules.spike_min_history
+    if enough.any():
+        out[enough] = np.nanmedian(windows[enough], axis=1)
     return out
 
 

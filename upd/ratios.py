@@ -68,42 +68,49 @@ def rms_update_to_data(update_norm, param_norm):
 POWER_ITERATIONS = 30
 
 
-def matrix_view(t: torch.Tensor) -> torch.Tensor:
-    """A weight as the matrix its spectral norm is taken of: (out, everything else), as a convolution kernel
-    (out, in, kh, kw) maps its flattened input patch to its output channels."""
-    return real_numbers(t).reshape(t.shape[0], -1) if not t.is_complex() else t.reshape(t.shape[0], -1)
+def spectral_norms(matrices: torch.Tensor, iterations: int = POWER_ITERATIONS, seed: int = 0) -> np.ndarray:
+    """The largest singular value ||A||_2 of each matrix of a batch (B, m, n), by power iteration on A^T A from a
+    fixed random start (float64; a few batched matrix-vector products, never a decomposition). Each is a lower bound
+    that converges from below; a zero matrix gives 0, a non-finite one NaN."""
+    a = matrices.to(torch.complex128 if matrices.is_complex() else torch.float64)
+    if a.shape[-1] == 0 or a.shape[-2] == 0:
+        return np.zeros(a.shape[0])
+    if a.shape[-2] < a.shape[-1]:
+        a = a.mH  # iterate in the smaller dimension
+    gen = torch.Generator().manual_seed(seed)
+    v = torch.randn(a.shape[-1], generator=gen, dtype=torch.float64).to(a.dtype).expand(a.shape[0], -1)
+    tiny = torch.finfo(torch.float64).tiny
+    for _ in range(iterations):
+        u = torch.bmm(a, v.unsqueeze(-1)).squeeze(-1)
+        u = u / torch.linalg.vector_norm(u, dim=-1, keepdim=True).clamp_min(tiny)
+        w = torch.bmm(a.mH, u.unsqueeze(-1)).squeeze(-1)
+        v = w / torch.linalg.vector_norm(w, dim=-1, keepdim=True).clamp_min(tiny)
+    sigma = torch.linalg.vector_norm(torch.bmm(a, v.unsqueeze(-1)).squeeze(-1), dim=-1).numpy()
+    finite = torch.isfinite(a).flatten(1).all(1).numpy()
+    return np.where(finite, sigma, np.nan)
 
 
 def spectral_norm(matrix: torch.Tensor, iterations: int = POWER_ITERATIONS, seed: int = 0) -> float:
-    """The largest singular value ||A||_2 of a 2-D tensor by power iteration on A^T A from a fixed random start
-    (float64; a few matrix-vector products, never a decomposition). A lower bound that converges from below."""
-    a = matrix.to(torch.complex128 if matrix.is_complex() else torch.float64)
-    if a.numel() == 0:
-        return 0.0
-    if a.shape[0] < a.shape[1]:
-        a = a.mH  # iterate in the smaller dimension
-    gen = torch.Generator().manual_seed(seed)
-    v = torch.randn(a.shape[1], generator=gen, dtype=torch.float64).to(a.dtype)
-    sigma = 0.0
-    for _ in range(iterations):
-        u = a @ v
-        norm_u = float(torch.linalg.vector_norm(u))
-        if norm_u == 0 or not math.isfinite(norm_u):
-            return norm_u if math.isfinite(norm_u) else float("nan")
-        w = a.mH @ (u / norm_u)
-        sigma = float(torch.linalg.vector_norm(w))  # = ||A^T A v|| / ||A v|| -> sigma_1
-        if sigma == 0:
-            return norm_u
-        v = w / sigma
-    return float(torch.linalg.vector_norm(a @ v))
+    """spectral_norms of one 2-D tensor."""
+    return float(spectral_norms(matrix.unsqueeze(0), iterations, seed)[0])
 
 
-def spectral_update_to_data(before: torch.Tensor, after: torch.Tensor, iterations: int = POWER_ITERATIONS) -> float:
-    """log10(||after - before||_2 / ||before||_2) of a weight (ndim >= 2, viewed as matrix_view): the spectral-norm
-    ratio whose scaling the "spectral condition for feature learning" (Yang, Simon and Bernstein, arXiv 2310.17813)
-    states; NaN for a tensor with fewer than two dimensions."""
-    if before.dim() < 2:
-        return float("nan")
-    update = after.to(torch.float64) - before.to(torch.float64) if not before.is_complex() else after - before
-    return float(log10_ratio(spectral_norm(matrix_view(update), iterations),
-                             spectral_norm(matrix_view(before), iterations)))
+def spectral_update_to_data(before: torch.Tensor, after: torch.Tensor, iterations: int = POWER_ITERATIONS):
+    """log10(||after - before||_2 / ||before||_2) of a weight: the spectral-norm ratio whose scaling the "spectral
+    condition for feature learning" (Yang, Simon and Bernstein, arXiv 2310.17813) states. A weight with more than
+    two dimensions is the matrix (out, everything else), as a convolution kernel (out, in, kh, kw) maps its
+    flattened input patch to its output channels; NaN for a tensor with fewer than two dimensions."""
+    return float(spectral_update_to_data_batch(before.unsqueeze(0), after.unsqueeze(0), iterations)[0])
+
+
+def spectral_update_to_data_batch(before: torch.Tensor, after: torch.Tensor,
+                                  iterations: int = POWER_ITERATIONS) -> np.ndarray:
+    """spectral_update_to_data of each record of a batch: before/after shaped (B, *weight_shape)."""
+    if before.dim() < 3:
+        return np.full(before.shape[0], np.nan)
+    wide = torch.complex128 if before.is_complex() else torch.float64
+    before, after = before.to(wide), after.to(wide)
+    rows = before.shape[1]
+    update = (after - before).reshape(before.shape[0], rows, -1)
+    return log10_ratio(spectral_norms(update, iterations), spectral_norms(before.reshape(before.shape[0], rows, -1),
+                                                                        iterations))

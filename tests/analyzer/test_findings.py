@@ -253,3 +253,18 @@ def test_rules_take_one_step_or_whole_columns_alike():
     assert live == list(offline) and np.flatnonzero(offline).tolist() == [8]
     with pytest.raises(ValueError):
         alert_rules.AlertRules(low=-1, high=-2)
+
+
+def test_spike_baselines_equal_the_live_history_on_ragged_columns():
+    """The offline sliding-window baselines equal NormHistory's step by step, with zeros, NaN and short columns."""
+    rng = np.random.default_rng(0)
+    rules = alert_rules.AlertRules()
+    for n in (0, 3, 5, 6, 30, 300):
+        norms = rng.lognormal(size=n)
+        norms[rng.random(n) < 0.2] = 0.0
+        norms[rng.random(n) < 0.05] = np.nan
+        history, live = alert_rules.NormHistory(rules), []
+        for value in norms:
+            live.append(history.baseline("w"))
+            history.add("w", value)
+        np.testing.assert_array_equal(np.array(live, float), alert_rules.spike_baselines(norms, rules))

@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import numpy as np
 import pandas as pd
+import torch
 
 from ..ratios import RMS_UPDATE_TO_DATA, SPECTRAL_UPDATE_TO_DATA, UPDATE_TO_DATA, rms_update_to_data, \
-    spectral_update_to_data
+    spectral_update_to_data_batch
 from ..runfile import schema
 from ..torch_threads import one_torch_thread
 from .summary import METRIC_MEDIAN_HEADERS, is_weight
@@ -20,6 +21,8 @@ METRIC_COLUMNS = ["optimizer", "param", "step", UPDATE_TO_DATA, RMS_UPDATE_TO_DA
 # Spectral ratios of at most this many full records per weight (evenly spread): a few power iterations per record,
 # each a pass over the weight, so a long run is sampled rather than read whole twice.
 MAX_SPECTRAL_RECORDS = 64
+# The records of one weight power-iterated together hold at most this many bytes (float64 before and after).
+SPECTRAL_BATCH_BYTES = 64 * 1024 * 1024
 
 
 def spread(count: int, limit: int) -> np.ndarray:
@@ -39,11 +42,14 @@ def spectral_rows(run, max_records: int = MAX_SPECTRAL_RECORDS) -> pd.DataFrame:
                 if not is_weight(p.shape) or p.num_rows == 0 or not (
                         schema.KIND_PARAM in p.kinds and schema.KIND_PARAM_AFTER in p.kinds):
                     continue
-                for row in spread(p.num_rows, max_records):
-                    before = p.read(schema.KIND_PARAM, slice(int(row), int(row) + 1))[0]
-                    after = p.read(schema.KIND_PARAM_AFTER, slice(int(row), int(row) + 1))[0]
-                    rows.append((opt.index, p.name, int(opt.steps[p.records[row]]),
-                                 spectral_update_to_data(before, after)))
+                chosen = spread(p.num_rows, max_records)
+                per_batch = max(1, SPECTRAL_BATCH_BYTES // (16 * max(1, p.numel)))  # before and after, float64
+                for lo in range(0, len(chosen), per_batch):
+                    batch = [int(r) for r in chosen[lo:lo + per_batch]]
+                    before = torch.stack([p.read(schema.KIND_PARAM, slice(r, r + 1))[0] for r in batch])
+                    after = torch.stack([p.read(schema.KIND_PARAM_AFTER, slice(r, r + 1))[0] for r in batch])
+                    for r, ratio in zip(batch, spectral_update_to_data_batch(before, after)):
+                        rows.append((opt.index, p.name, int(opt.steps[p.records[r]]), float(ratio)))
     return pd.DataFrame(rows, columns=["optimizer", "param", "step", SPECTRAL_UPDATE_TO_DATA])
 
 
