@@ -268,3 +268,20 @@ def test_spike_baselines_equal_the_live_history_on_ragged_columns():
             live.append(history.baseline("w"))
             history.add("w", value)
         np.testing.assert_array_equal(np.array(live, float), alert_rules.spike_baselines(norms, rules))
+
+
+def test_nan_gradient_is_found_first_with_its_step(tmp_path):
+    net = mlp()
+    opt = torch.optim.SGD(net.parameters(), lr=1e-2)
+    with upd.record(tmp_path / "nan.h5", net, opt, every=None, stats_every=1):
+        for step in range(10):
+            opt.zero_grad()
+            net(torch.randn(8, 16)).pow(2).mean().backward()
+            if step == 6:
+                net[2].weight.grad[0, 0] = float("nan")
+            opt.step()
+    found = findings_of(tmp_path / "nan.h5")
+    assert found[0].kind == alert_rules.NONFINITE, [f.text for f in found]
+    first = {f.params[0]: f.step for f in found if f.kind == alert_rules.NONFINITE}
+    assert first["2.weight"] == 6 and min(first.values()) == 6  # the others follow once NaN spreads
+    assert "NaN/Inf on" in found[0].text

@@ -21,7 +21,7 @@ def exact(a: torch.Tensor) -> float:
     return float(torch.linalg.matrix_norm(a.double(), ord=2))
 
 
-@pytest.mark.parametrize("shape", [(50, 30), (3, 200), (64, 64), (256, 256), (128, 512)])
+@pytest.mark.parametrize("shape", [(50, 30), (3, 200), (64, 64), (128, 128), (64, 256)])
 def test_spectral_norm_on_random_matrices(shape):
     torch.manual_seed(sum(shape))
     for _ in range(3):

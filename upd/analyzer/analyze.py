@@ -14,7 +14,7 @@ from ..alert_rules import AlertRules
 from ..replay.engine import replica_checks
 from ..runfile.job import REPLICATED
 from .findings import Finding, find, format_findings, replica_findings
-from .metrics import METRICS, metrics_table, spectral_rows, with_metric_medians
+from .metrics import METRICS, metrics_table, spectral_notes, spectral_rows, with_metric_medians
 from .steps import compared_steps, describe_steps, full_record_steps, histogram_keys
 from .summary import Thresholds, summarize
 
@@ -134,7 +134,8 @@ def analyze(run, out_dir=None, *, thresholds: Thresholds = Thresholds(), hist_st
         full_steps = full_record_steps(run, histogram_keys(params, all_params))
         hist_steps = compared_steps(full_steps, hist_step)
         ratios = run.ratios()
-        metrics = metrics_table(ratios, spectral_rows(run))
+        spectral, too_large = spectral_rows(run)
+        metrics = metrics_table(ratios, spectral)
         summary = with_metric_medians(summarize(ratios, params, thresholds), metrics)
         rules = AlertRules(low=thresholds.low, high=thresholds.high)
         findings = find(ratios, params, summary, scalars=run.scalars(), stats=_stats_if_any(run), rules=rules)
@@ -158,7 +159,7 @@ def analyze(run, out_dir=None, *, thresholds: Thresholds = Thresholds(), hist_st
             write_csv(summary, os.path.join(out_dir, SUMMARY_CSV))  # spreadsheet-safe cells
         return Analysis(ratios=ratios, summary=summary, plots=written, images=images, hist_steps=hist_steps,
                         notes=source_notes(ratios, full_steps, hist_steps) + sample_notes(ratios, run.options)
-                        + replica_notes,
+                        + replica_notes + spectral_notes(too_large),
                         findings=findings, metrics=metrics, rules=rules)
     finally:
         if own:

@@ -8,6 +8,7 @@ import torch
 
 from ..ratios import RMS_UPDATE_TO_DATA, SPECTRAL_UPDATE_TO_DATA, UPDATE_TO_DATA, rms_update_to_data, \
     spectral_update_to_data_batch
+from ..replay import blocks
 from ..runfile import schema
 from ..torch_threads import one_torch_thread
 from .summary import METRIC_MEDIAN_HEADERS, is_weight
@@ -32,15 +33,20 @@ def spread(count: int, limit: int) -> np.ndarray:
     return np.unique(np.linspace(0, count - 1, limit).round().astype(np.int64))
 
 
-def spectral_rows(run, max_records: int = MAX_SPECTRAL_RECORDS) -> pd.DataFrame:
+def spectral_rows(run, max_records: int = MAX_SPECTRAL_RECORDS) -> tuple[pd.DataFrame, list[str]]:
     """(optimizer, param, step, spectral_update_to_data) of every weight at (at most max_records of) its full
-    records holding the parameter before and after the step."""
-    rows = []
+    records holding the parameter before and after the step, and the names of the weights left out because a whole
+    matrix of theirs is larger than the analysis's block (blocks.BLOCK_ELEMENTS: power iteration needs the matrix
+    in memory, and the analysis reads at most a block of a parameter at a time)."""
+    rows, too_large = [], []
     with one_torch_thread():
         for opt in run.optimizers:
             for p in opt.param_records.values():
                 if not is_weight(p.shape) or p.num_rows == 0 or not (
                         schema.KIND_PARAM in p.kinds and schema.KIND_PARAM_AFTER in p.kinds):
+                    continue
+                if p.numel > blocks.BLOCK_ELEMENTS:
+                    too_large.append(p.name)
                     continue
                 chosen = spread(p.num_rows, max_records)
                 per_batch = max(1, SPECTRAL_BATCH_BYTES // (16 * max(1, p.numel)))  # before and after, float64
@@ -50,7 +56,15 @@ def spectral_rows(run, max_records: int = MAX_SPECTRAL_RECORDS) -> pd.DataFrame:
                     after = torch.stack([p.read(schema.KIND_PARAM_AFTER, slice(r, r + 1))[0] for r in batch])
                     for r, ratio in zip(batch, spectral_update_to_data_batch(before, after)):
                         rows.append((opt.index, p.name, int(opt.steps[p.records[r]]), float(ratio)))
-    return pd.DataFrame(rows, columns=["optimizer", "param", "step", SPECTRAL_UPDATE_TO_DATA])
+    return pd.DataFrame(rows, columns=["optimizer", "param", "step", SPECTRAL_UPDATE_TO_DATA]), too_large
+
+
+def spectral_notes(too_large: list[str]) -> list[str]:
+    """What the reader should know about weights without a spectral ratio."""
+    if not too_large:
+        return []
+    return [f"spectral ratio not computed for {len(too_large)} weight(s) over {blocks.BLOCK_ELEMENTS} elements "
+            f"(a whole matrix in memory): {', '.join(too_large[:4])}{' ...' if len(too_large) > 4 else ''}"]
 
 
 def metrics_table(ratios: pd.DataFrame, spectral: pd.DataFrame) -> pd.DataFrame:
