@@ -23,6 +23,8 @@ import math
 import numpy as np
 import torch
 
+from .torch_threads import one_torch_thread
+
 UPDATE_TO_DATA = "update_to_data"
 GRAD_TO_DATA = "grad_to_data"
 RATIO_NAMES = (UPDATE_TO_DATA, GRAD_TO_DATA)
@@ -71,7 +73,13 @@ POWER_ITERATIONS = 30
 def spectral_norms(matrices: torch.Tensor, iterations: int = POWER_ITERATIONS, seed: int = 0) -> np.ndarray:
     """The largest singular value ||A||_2 of each matrix of a batch (B, m, n), by power iteration on A^T A from a
     fixed random start (float64; a few batched matrix-vector products, never a decomposition). Each is a lower bound
-    that converges from below; a zero matrix gives 0, a non-finite one NaN."""
+    that converges from below; a zero matrix gives 0, a non-finite one NaN. On one torch thread: the products are
+    too small for its pool to pay off (upd/torch_threads.py)."""
+    with one_torch_thread():
+        return _spectral_norms(matrices, iterations, seed)
+
+
+def _spectral_norms(matrices: torch.Tensor, iterations: int, seed: int) -> np.ndarray:
     a = matrices.to(torch.complex128 if matrices.is_complex() else torch.float64)
     if a.shape[-1] == 0 or a.shape[-2] == 0:
         return np.zeros(a.shape[0])

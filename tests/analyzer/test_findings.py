@@ -270,6 +270,7 @@ def test_spike_baselines_equal_the_live_history_on_ragged_columns():
         np.testing.assert_array_equal(np.array(live, float), alert_rules.spike_baselines(norms, rules))
 
 
+@pytest.mark.slow
 def test_nan_gradient_is_found_first_with_its_step(tmp_path):
     net = mlp()
     opt = torch.optim.SGD(net.parameters(), lr=1e-2)
