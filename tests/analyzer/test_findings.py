@@ -73,6 +73,7 @@ def test_lr_spike_is_found_at_its_step_with_its_weights(runs):
     assert f"step {SPIKE_STEP}" in found[0].text and "x its running median" in found[0].text
     assert found[0].evidence["loss"] is not None  # the loss was logged: the finding says what it did
     assert all(w["factor"] > 10 for w in found[0].evidence["weights"])
+    assert "the lr was 100x its recent median there" in found[0].text  # the cause, where the lr shows it
 
 
 def test_the_same_run_without_the_spike_has_no_finding(runs):

@@ -79,7 +79,7 @@ def since_index(flags: np.ndarray, fraction: float = SINCE_FRACTION) -> int | No
 def step_columns(ratios: pd.DataFrame, stats: pd.DataFrame | None) -> pd.DataFrame:
     """The columns the rules read, one row per (optimizer, param, step) in step order: the ratio table's, joined
     with the statistics table's zero fractions, NaN/Inf counts and state statistics when the run has them."""
-    base = ratios[["optimizer", "param", "step", "update_to_data", "update_norm", "grad_norm", "param_norm",
+    base = ratios[["optimizer", "param", "step", "lr", "update_to_data", "update_norm", "grad_norm", "param_norm",
                    "grad_nonfinite"]]
     if stats is not None and len(stats):
         extra = [c for c in (rules_.GRAD_ZERO_FRAC, "param_nonfinite", "update_nonfinite", rules_.EXP_AVG_MEAN,
@@ -187,8 +187,13 @@ def _param_findings(key, rows: pd.DataFrame, weight: bool, median: float, rules:
     if weight:
         base = rules_.spike_baselines(values["update_norm"], rules)
         factor = rules_.update_spike(values, base, rules)
+        lr = np.asarray(values["lr"], dtype=np.float64)
         for i in np.flatnonzero(factor):
-            spikes.append((int(steps[i]), name, float(factor[i]), float(values["update_norm"][i]), float(base[i])))
+            before = lr[max(0, i - rules.spike_window):i]
+            before = before[np.isfinite(before) & (before > 0)]
+            lr_factor = float(lr[i] / np.median(before)) if len(before) and np.isfinite(lr[i]) else math.nan
+            spikes.append((int(steps[i]), name, float(factor[i]), float(values["update_norm"][i]), float(base[i]),
+                           lr_factor))
 
     state = [(rules_.SECOND_MOMENT_COLLAPSE, rules_.second_moment_collapsed(values, rules)),
              (rules_.EXP_AVG_RATIO, rules_.exp_avg_ratio(values) > rules.exp_avg_ratio_limit)]
@@ -230,12 +235,17 @@ def spike_findings(spikes: list, loss, rules: AlertRules) -> list[Finding]:
         else:
             after = f"the loss did not spike within {LOSS_WINDOW} steps (at most {followed['factor']:.2f}x its median)"
         top = hits[0]
+        lr_factors = [h[5] for h in hits if math.isfinite(h[5])]
+        if lr_factors and (max(lr_factors) > 2 or min(lr_factors) < 0.5):  # a schedule or a change by hand
+            cause = f"; the lr was {max(lr_factors, key=lambda x: abs(math.log(x))):.3g}x its recent median there"
+        else:
+            cause = "; the lr did not change" if lr_factors else ""
         kind_key = "update_spike_loss" if followed and followed["spiked"] else rules_.UPDATE_SPIKE
         text = (f"update-norm spike at step {step}: {_names(names)} (up to {top[2]:.0f}x its running median: "
-                f"{top[3]:.3g} vs {top[4]:.3g}); {after}")
+                f"{top[3]:.3g} vs {top[4]:.3g}){cause}; {after}")
         out.append(Finding(rules_.UPDATE_SPIKE, SEVERITY[kind_key] + min(math.log10(top[2]), 9.9), text, names, step,
-                           {"weights": [{"param": h[1], "factor": h[2], "update_norm": h[3], "median": h[4]}
-                                        for h in hits], "loss": followed}))
+                           {"weights": [{"param": h[1], "factor": h[2], "update_norm": h[3], "median": h[4],
+                                         "lr_factor": h[5]} for h in hits], "loss": followed}))
     return out
 
 
