@@ -18,8 +18,6 @@ complex plane counts like any other change. The recorder's statistics and the an
 """
 from __future__ import annotations
 
-import math
-
 import numpy as np
 import torch
 
