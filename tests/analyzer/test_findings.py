@@ -230,7 +230,8 @@ def test_adam_state_anomalies_are_found_and_a_normal_state_is_not(tmp_path):
     assert all(f.evidence["value"] > 10 for f in found)
 
     train_adam_state(tmp_path / "normal.h5")
-    assert not {alert_rules.SECOND_MOMENT_COLLAPSE, alert_rules.EXP_AVG_RATIO} & kinds(findings_of(tmp_path / "normal.h5"))
+    state_kinds = {alert_rules.SECOND_MOMENT_COLLAPSE, alert_rules.EXP_AVG_RATIO}
+    assert not state_kinds & kinds(findings_of(tmp_path / "normal.h5"))
 
 
 def test_rules_take_one_step_or_whole_columns_alike():

@@ -31,7 +31,8 @@ ASSUMPTION = ("assumes a short horizon: the update scales with the lr while the 
 PROPORTIONAL = {"SGD": "SGD (with momentum too): update = lr x (gradient or momentum buffer)",
                 "Adam": "Adam: update = lr x m/(sqrt(v)+eps)", "AdamW": "AdamW: update = lr x (m/(sqrt(v)+eps) + wd p)",
                 "Adamax": "Adamax: update = lr x m/u", "NAdam": "NAdam: update = lr x (Nesterov m)/(sqrt(v)+eps)",
-                "RAdam": "RAdam: update = lr x rectified m/sqrt(v)", "SparseAdam": "SparseAdam: update = lr x m/sqrt(v)",
+                "RAdam": "RAdam: update = lr x rectified m/sqrt(v)",
+                "SparseAdam": "SparseAdam: update = lr x m/sqrt(v)",
                 "Adagrad": "Adagrad: update = lr x g/sqrt(sum g^2)", "RMSprop": "RMSprop: update = lr x g/sqrt(v)",
                 "Adadelta": "Adadelta: update = lr x delta (its accumulators exclude the lr)",
                 "ASGD": "ASGD: update = eta x g, eta = lr/(1 + lambd lr t)^alpha (about lr for small lambd)",
@@ -166,7 +167,8 @@ def advise_from_tables(ratios: pd.DataFrame, params: pd.DataFrame, classes: dict
             m, note = math.nan, "no finite update:data in these steps (it did not move: see the findings)"
         else:
             m, note = multiplier(target, measured), ""
-        rows.append({"optimizer": opt, "group": group, "param": name, "shape": "x".join(map(str, shapes.get((opt, name), ()))),
+        shape = "x".join(map(str, shapes.get((opt, name), ())))
+        rows.append({"optimizer": opt, "group": group, "param": name, "shape": shape,
                      "steps": len(part), "measured": measured, "lr": lr, "multiplier": m,
                      "advised_lr": lr * m if math.isfinite(m) and math.isfinite(lr) else math.nan, "note": note})
     per_param = pd.DataFrame(rows, columns=ADVICE_COLUMNS)
@@ -179,11 +181,13 @@ def advise_from_tables(ratios: pd.DataFrame, params: pd.DataFrame, classes: dict
         m = multiplier(target, measured) if proportional else math.nan
         group_rows.append({"optimizer": int(opt), "group": int(group), "weights": len(part), "measured": measured,
                            "lr": lr, "multiplier": m, "advised_lr": lr * m if math.isfinite(m) else math.nan,
-                           "others": others.get((int(opt), int(group)), ([], 0))[0], "note": "" if proportional else why})
+                           "others": others.get((int(opt), int(group)), ([], 0))[0],
+                           "note": "" if proportional else why})
     per_group = pd.DataFrame(group_rows, columns=["optimizer", "group", "weights", "measured", "lr", "multiplier",
                                                   "advised_lr", "others", "note"])
     measured_steps = (int(chosen["step"].min()), int(chosen["step"].max())) if len(chosen) else None
-    optimizers = {int(i): {"class": str(c), "proportional": kinds[i][0], "why": kinds[i][1]} for i, c in classes.items()}
+    optimizers = {int(i): {"class": str(c), "proportional": kinds[i][0], "why": kinds[i][1]}
+                  for i, c in classes.items()}
     return Advice(target=target, steps=measured_steps, per_param=per_param, per_group=per_group, optimizers=optimizers,
                   others=others)
 

@@ -36,11 +36,12 @@ CLIPPED_SHARE = 0.5
 # How many names a finding's line lists before "and N more".
 NAMES_SHOWN = 4
 
+# The finding kinds beside the alert rules' own (upd.alert_rules), and the spike the loss followed (ranked apart).
+CLIPPING, REPLICAS, SPIKE_LOSS_FOLLOWED = "clipping", "replicas_diverge", "update_spike_loss"
 # Severity: the rank of a finding (higher first); within a kind, larger numbers first.
-SEVERITY = {rules_.NONFINITE: 100, "update_spike_loss": 90, rules_.NOT_MOVING: 80, rules_.SECOND_MOMENT_COLLAPSE: 70,
-            rules_.EXP_AVG_RATIO: 70, "replicas_diverge": 95, rules_.OUT_OF_BAND: 60, rules_.UPDATE_SPIKE: 50, "clipping": 40}
-CLIPPING = "clipping"
-REPLICAS = "replicas_diverge"
+SEVERITY = {rules_.NONFINITE: 100, REPLICAS: 95, SPIKE_LOSS_FOLLOWED: 90, rules_.NOT_MOVING: 80,
+            rules_.SECOND_MOMENT_COLLAPSE: 70, rules_.EXP_AVG_RATIO: 70, rules_.OUT_OF_BAND: 60,
+            rules_.UPDATE_SPIKE: 50, CLIPPING: 40}
 
 
 @dataclass
@@ -240,7 +241,7 @@ def spike_findings(spikes: list, loss, rules: AlertRules) -> list[Finding]:
             cause = f"; the lr was {max(lr_factors, key=lambda x: abs(math.log(x))):.3g}x its recent median there"
         else:
             cause = "; the lr did not change" if lr_factors else ""
-        kind_key = "update_spike_loss" if followed and followed["spiked"] else rules_.UPDATE_SPIKE
+        kind_key = SPIKE_LOSS_FOLLOWED if followed and followed["spiked"] else rules_.UPDATE_SPIKE
         text = (f"update-norm spike at step {step}: {_names(names)} (up to {top[2]:.0f}x its running median: "
                 f"{top[3]:.3g} vs {top[4]:.3g}){cause}; {after}")
         out.append(Finding(rules_.UPDATE_SPIKE, SEVERITY[kind_key] + min(math.log10(top[2]), 9.9), text, names, step,
