@@ -20,13 +20,16 @@ from dataclasses import dataclass
 
 import numpy as np
 
-UPDATE_TO_DATA = "update_to_data"
-UPDATE_NORM = "update_norm"
-GRAD_NORM = "grad_norm"
-GRAD_ZERO_FRAC = "grad_zero_frac"
-NONFINITE_COLUMNS = ("grad_nonfinite", "param_nonfinite", "update_nonfinite")
-EXP_AVG_MEAN, EXP_AVG_STD = "state.exp_avg_mean", "state.exp_avg_std"
-EXP_AVG_SQ_MEAN = "state.exp_avg_sq_mean"
+from .statistics import GRAD, MEAN, NONFINITE as NONFINITE_STAT, NORM, PARAM, STATE_PREFIX, STD, UPDATE, \
+    UPDATE_TO_DATA, ZERO_FRAC, column
+
+# The columns the rules read, in the statistics vocabulary (upd/statistics.py).
+UPDATE_NORM = column(UPDATE, NORM)
+GRAD_NORM = column(GRAD, NORM)
+GRAD_ZERO_FRAC = column(GRAD, ZERO_FRAC)
+NONFINITE_COLUMNS = tuple(column(kind, NONFINITE_STAT) for kind in (GRAD, PARAM, UPDATE))
+EXP_AVG_MEAN, EXP_AVG_STD = column(STATE_PREFIX + "exp_avg", MEAN), column(STATE_PREFIX + "exp_avg", STD)
+EXP_AVG_SQ_MEAN = column(STATE_PREFIX + "exp_avg_sq", MEAN)
 
 # Alert kinds, one per rule.
 OUT_OF_BAND = "out_of_band"

@@ -21,11 +21,9 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from .statistics import GRAD_TO_DATA, UPDATE_TO_DATA
+from .statistics import RATIOS as RATIO_NAMES
 from .torch_threads import one_torch_thread
-
-UPDATE_TO_DATA = "update_to_data"
-GRAD_TO_DATA = "grad_to_data"
-RATIO_NAMES = (UPDATE_TO_DATA, GRAD_TO_DATA)
 
 
 def real_numbers(t: torch.Tensor) -> torch.Tensor:

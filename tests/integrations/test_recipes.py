@@ -97,7 +97,7 @@ def check_recorded(path, steps: int, every: int, losses=None,
 
 def test_every_section_has_a_recipe_run_here_or_says_which_tests_run_it():
     run_here = {"A plain training loop", "Hugging Face Trainer", "Lightning", "Accelerate", "torchrun and DDP",
-                "torch.compile"}
+                "torch.compile", "Weights & Biases", "MLflow"}  # these two: in test_trackers.py, with the trackers
     found = sections()
     for title, text in found.items():
         if title in run_here:

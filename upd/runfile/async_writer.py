@@ -45,6 +45,7 @@ import os
 import queue
 import threading
 import time
+import warnings
 import weakref
 from concurrent.futures import Future
 
@@ -104,8 +105,9 @@ class _Shared:
     """State the writer thread and the AsyncRunWriter share. The thread holds this, never the AsyncRunWriter itself,
     so an abandoned writer can be garbage collected."""
 
-    def __init__(self, writer):
+    def __init__(self, writer, on_written=None):
         self.lock = threading.Lock()
+        self.on_written = on_written  # called with each list of records once written (AsyncRunWriter's on_written=)
         self.writer = writer
         self.error: BaseException | None = None  # the first exception on the writer thread
         self.reported = False  # the error has been raised on a caller's thread
@@ -163,6 +165,30 @@ def _write(shared: _Shared, payload) -> None:
         shared.records_written += len(recs)
         shared.bytes_written += nbytes
         shared.write_seconds += elapsed
+    _after_written(shared, recs)
+
+
+def _after_written(shared: _Shared, recs: list) -> None:
+    """Hand the records just written to the on_written hook. The hook's exceptions are its own, never the file's:
+    warned once, and the hook is called no more."""
+    hook = shared.on_written
+    if hook is None:
+        return
+    try:
+        hook(recs)
+    except Exception as exc:
+        shared.on_written = None
+        warnings.warn(f"torch-upd: the run file's on_written hook failed ({type(exc).__name__}: {exc}) and is "
+                      "called no more; the file goes on.", RuntimeWarning, stacklevel=2)
+
+
+def _run_quietly(fn) -> None:
+    """fn() on the writer thread (AsyncRunWriter.run_later): its exceptions are warned about, never the file's."""
+    try:
+        fn()
+    except Exception as exc:
+        warnings.warn(f"torch-upd: a call on the run file's writer thread failed ({type(exc).__name__}: {exc}); "
+                      "the file goes on.", RuntimeWarning, stacklevel=2)
 
 
 def _tensor_layout(t) -> tuple | None:
@@ -312,7 +338,9 @@ class AsyncRunWriter:
     ``AsyncRunWriter(path, meta, overwrite=..., storage_dtype=..., compression=..., max_pending=2)`` takes the
     RunWriter arguments and opens the file (on the writer thread; errors such as FileExistsError are raised here).
     ``AsyncRunWriter(writer=run_writer, max_pending=2)`` wraps a RunWriter that is already open; it must not be
-    used directly afterwards.
+    used directly afterwards. ``on_written``: a callable given each list of records once they are written (on the
+    writer thread, in the order written; its exceptions are warned about and stop the hook, never the file): how
+    the recorder feeds its live sinks without this module knowing them.
 
     Same interface as RunWriter for the recorder: ``write(rec)``, ``set_attr(name, value)``,
     ``add_optimizer(index, meta)``, ``optimizer_meta(index)``, ``last_step(index)``, ``add_dump(info)``,
@@ -323,7 +351,7 @@ class AsyncRunWriter:
     exception).
     """
 
-    def __init__(self, *args, max_pending: int = 2, writer: RunWriter | None = None, **kwargs):
+    def __init__(self, *args, max_pending: int = 2, writer: RunWriter | None = None, on_written=None, **kwargs):
         if not isinstance(max_pending, int) or max_pending < 1:
             raise ValueError(f"max_pending must be a positive integer, got {max_pending!r}")
         if writer is not None and (args or kwargs):
@@ -334,7 +362,7 @@ class AsyncRunWriter:
         self._closed = False
         self._close_lock = threading.RLock()  # a signal handler may call close() inside close()
         self._queue = _SnapshotQueue(maxsize=max_pending)
-        self._shared = _Shared(writer)
+        self._shared = _Shared(writer, on_written)
         self._batch: _Batch | None = None  # the batch statistics-only records are appended to, once queued
         self._thread = threading.Thread(target=_worker, args=(self._queue, self._shared), daemon=True,
                                         name=f"upd-writer {os.path.basename(self.path)}")
@@ -462,6 +490,13 @@ class AsyncRunWriter:
         self._raise_if_failed()
         self._check_open("add_dump()")
         self._put((_CALL, functools.partial(_writer_method, self._shared, "add_dump", info), None))
+
+    def run_later(self, fn) -> None:
+        """Queue ``fn()`` to run on the writer thread after everything queued before it, without waiting for it
+        (but for queue space, like ``write``). What it raises is warned about and is never the file's error."""
+        self._raise_if_failed()
+        self._check_open("run_later()")
+        self._put((_CALL, functools.partial(_run_quietly, fn), None), count_blocked=True)
 
     # Everything else runs on the writer thread too, after what is queued, and returns its result (or raises its
     # error) to the caller. These are setup/teardown calls, so waiting costs nothing and errors show at the call.
