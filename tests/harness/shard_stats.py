@@ -1,11 +1,11 @@
-"""Statistics of shards combined, in the shapes the tests state them: built on upd.analyzer.shard_stats, which
+"""Statistics of shards combined, in the shapes the tests state them: built on upd.runfile.shard_stats, which
 combines them inside a job's reader (Job.stats) without these conveniences."""
 from __future__ import annotations
 
 import numpy as np
 import pandas as pd
 
-from upd.analyzer.shard_stats import ShardCombiner
+from upd.runfile.shard_stats import ShardCombiner
 from upd.statistics import finish, merge, sufficient
 
 

@@ -12,7 +12,7 @@ module puts the slices back together, lazily, and only here:
   ``ranks="all"``: rank 0's copy is read, the others stay reachable through ``holders`` for the replica check);
 - records are aligned by optimizer step: the job holds the steps every rank file committed (a rank killed mid-run
   leaves the job readable up to the last step all files completed; ``missing_ranks`` says which ranks lack which);
-- statistics of sharded parameters are combined exactly from the per-shard statistics (``analyzer.shard_stats``).
+- statistics of sharded parameters are combined exactly from the per-shard statistics (``runfile.shard_stats``).
 
 Problems that make a job unreadable as a whole (a missing rank file, files of two world sizes, shards that do not
 tile their tensor) are RunFileErrors naming the rank and the file.
@@ -27,7 +27,7 @@ import numpy as np
 import pandas as pd
 import torch
 
-from ..analyzer.shard_stats import ShardCombiner
+from .shard_stats import ShardCombiner
 from . import schema
 from .errors import RunFileError
 from .ranks import rank_files, rank_path
@@ -569,7 +569,7 @@ class Job(RunReader):
     def stats(self) -> pd.DataFrame:
         """The per-step statistics table of the whole job: one row per (optimizer, param, step) at the steps every
         rank committed; a sharded parameter's statistics are those of the whole tensor, combined exactly from its
-        shards' (analyzer.shard_stats), the others as the rank they are read from recorded them. The ranks' tables
+        shards' (runfile.shard_stats), the others as the rank they are read from recorded them. The ranks' tables
         are read one after another: memory is that of one rank's table and the result."""
         combiners: dict[tuple, ShardCombiner] = {}
         added: dict[tuple, set] = {}
