@@ -70,7 +70,7 @@ def test_file_text_reaches_the_terminal_escaped(tmp_path):
         after = f[f"{PARAMS}/{EVIL}/{schema.KIND_PARAM_AFTER}"]
         after[5] = after[5] * 1.5
     outputs = {}
-    for args in (("info",), ("analyze", "--no-plots"), ("verify",)):
+    for args in (("info",), ("analyze", "--no-plots"), ("verify",), ("advise",)):
         code, out, err = _invoke(*args, path)
         assert code == (1 if args[0] == "verify" else 0), (args, out, err)
         outputs[args[0]] = out + err

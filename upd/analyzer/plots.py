@@ -24,8 +24,9 @@ import torch  # noqa: E402
 from matplotlib.colors import Normalize  # noqa: E402
 from matplotlib.ticker import MaxNLocator, NullFormatter  # noqa: E402
 
-from ..runfile import schema  # noqa: E402
+from ..runfile import schema, tensor_blocks  # noqa: E402
 from ..safe_text import plot_label  # noqa: E402
+from .metrics import METRIC_TITLES  # noqa: E402
 from .summary import FLAGGED_STATUSES, Thresholds, is_weight, model_order_keys  # noqa: E402
 
 LINE_PLOT_MAX_WEIGHTS = 10  # more weights than this: the ratios are drawn as a heatmap
@@ -340,15 +341,14 @@ def row_sample(p, kind: str, row: int, block_elements: int | None = None) -> np.
     """_sample of one recorded row of a parameter: the same values, read a block of elements (default: verify's
     block) at a time when the row is larger than a block, the strided sample taken from each block where the whole
     row's stride falls: a whole row of a 200 MB weight is never held."""
-    from ..replay.blocks import BLOCK_ELEMENTS, element_blocks  # contiguous runs of elements, in order
 
-    block_elements = block_elements or BLOCK_ELEMENTS
+    block_elements = block_elements or tensor_blocks.BLOCK_ELEMENTS
     if not hasattr(p, "read_part") or p.numel <= block_elements:  # a distributed job's stitched parameter: whole
         return _sample(p.read(kind, row))
 
     stride = max(1, -(-p.numel // HISTOGRAM_SAMPLE))
     parts, start = [], 0
-    for index in element_blocks(p.stored_shape(kind), block_elements):
+    for index in tensor_blocks.element_blocks(p.stored_shape(kind), block_elements):  # contiguous runs, in order
         piece = p.read_part(kind, slice(row, row + 1), index).reshape(-1)
         parts.append(piece[(-start) % stride::stride].double())
         start += piece.numel()
@@ -472,20 +472,29 @@ HISTOGRAM_FIGURES = (  # file name, kind, what the values are
 
 
 def render_all(run, ratios: pd.DataFrame, summary: pd.DataFrame, *, thresholds: Thresholds,
-               hist_steps: list[int], all_params: bool = False, sample: int | None = None) -> dict[str, bytes]:
+               hist_steps: list[int], all_params: bool = False, sample: int | None = None,
+               metric: str = "update_to_data", metrics: pd.DataFrame | None = None) -> dict[str, bytes]:
     """The standard figures as {file name: PNG bytes}: update:data and grad:data over the steps (with lr and loss),
     and gradient and weight histograms at hist_steps (see compared_steps). sample: the K of a run whose statistics
-    were estimated from K elements per tensor (stats_sample), said in the ratio figures' titles."""
+    were estimated from K elements per tensor (stats_sample), said in the ratio figures' titles. metric: the ratio
+    update_to_data.png draws, a column of `metrics` (analyzer/metrics.py: the RMS or spectral ratio instead of
+    the std ratio)."""
     params = run.params()
     scalars = run.scalars() if hasattr(run, "scalars") else None
     flagged = {(r.optimizer, r.param): r.status for r in summary.itertuples()}
     images = {}
     for name, column, title in RATIO_FIGURES:
         update = column == "update_to_data"
+        source = ratios
+        if update and metric != column and metrics is not None:
+            chosen = metrics.loc[metrics[metric].notna(), ["optimizer", "param", "step", metric]]
+            source = ratios.drop(columns=[column]).merge(chosen, on=["optimizer", "param", "step"]).rename(
+                columns={metric: column})
+            title = METRIC_TITLES[metric]
         if sample is not None:
             title += f"; per-step statistics estimated from {sample} elements of each larger tensor"
         images[name] = png_bytes(ratio_figure(
-            ratios, params, column, title=title, scalars=scalars, thresholds=thresholds if update else None,
+            source, params, column, title=title, scalars=scalars, thresholds=thresholds if update else None,
             guide=thresholds.target if update else None, flagged=flagged, all_params=all_params))
     keys = plotted_keys(ratios, params, all_params) if len(ratios) else []
     if not keys:  # no ratio rows (nothing stepped twice?): histograms of what was recorded all the same

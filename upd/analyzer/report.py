@@ -120,6 +120,14 @@ def _metadata(description: dict) -> str:
             + f"<p>Recording options:</p><pre>{html.escape(options)}</pre>")
 
 
+def _findings(analysis: Analysis) -> str:
+    """The findings section: an ordered list of the findings, or the one healthy line."""
+    if not analysis.findings:
+        return f"<h2>Findings</h2><p>{html.escape(analysis.findings_text().removeprefix('findings: '))}</p>"
+    items = "".join(f"<li>{html.escape(f.text)}</li>" for f in analysis.findings)
+    return f'<h2>Findings</h2><ol class="flagged">{items}</ol>'
+
+
 def report_html(analysis: Analysis, description: dict, *, thresholds: Thresholds = Thresholds(),
                 notes: list[str] = (), verify_report=None) -> str:
     """The report as one HTML document (a string). description: Run.describe(); notes: extra lines for the
@@ -136,6 +144,7 @@ def report_html(analysis: Analysis, description: dict, *, thresholds: Thresholds
         f'<p class="verdict{" flagged" if flagged else ""}">{html.escape(verdict(analysis, thresholds))}</p>',
         "".join(f"<p>{html.escape(line)}</p>" for line in lines),
     ]
+    parts[4:4] = [_findings(analysis)]  # findings first, above the verdict
     if analysis.images:  # first: a big model's table is long, and the heatmap is what a reader looks at first
         parts += ["<h2>Figures</h2>", _figures(analysis.images)]
     parts += [

@@ -107,6 +107,10 @@ def summarize(ratios: pd.DataFrame, params: pd.DataFrame, thresholds: Thresholds
 SUMMARY_HEADERS = {"latest_update_to_data": "update:data (last step)", "median_update_to_data": "(median)",
                    "latest_grad_to_data": "grad:data (last step)", "median_grad_to_data": "(median) ",
                    "nonfinite_grad_steps": "NaN/Inf steps", "first_nonfinite_step": "first"}
+# The medians of the other update metrics analyze adds (analyzer/metrics.py), named for the table.
+METRIC_MEDIAN_HEADERS = {"median_rms_update_to_data": "rms (median)",
+                         "median_spectral_update_to_data": "spectral (median)"}
+SUMMARY_HEADERS.update(METRIC_MEDIAN_HEADERS)
 
 
 def format_summary(summary: pd.DataFrame) -> str:

@@ -14,7 +14,7 @@ from .common import EXIT_CODES, ErrorLineGroup
 # Each command's module, imported when the command runs (or --help lists it): `upd info` then imports neither the
 # replay engine nor the recorder, nor torch with them.
 COMMANDS = {"info": ".info", "analyze": ".analyze", "verify": ".verify", "demo": ".demo", "record": ".record",
-            "compare": ".compare"}
+            "compare": ".compare", "advise": ".advise"}
 
 
 class _CommandsWhenUsed(ErrorLineGroup):
@@ -39,6 +39,7 @@ def main():
       upd analyze RUN    update:data and grad:data ratios, summary, plots
       upd compare A B    runs side by side per weight (good vs bad init, lr A vs lr B)
       upd verify RUN     replay the optimizer's math against the recorded updates
+      upd advise RUN     per-layer learning-rate advice from the update:data ratios
       upd demo           train a small character-level model, record, analyze, verify
       upd record RUN     record a training program without editing it: upd record RUN -- COMMAND
 

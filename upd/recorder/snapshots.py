@@ -11,9 +11,12 @@ from __future__ import annotations
 import torch
 
 from ..runfile import encoding
-from .device_stats import SPARSE_LAYOUTS
 from .wrappers import local_part, shard_layout  # noqa: F401  (the recorder's names for them)
 from .wrappers.fsdp2 import dtensor_class, placements_text
+
+# torch's sparse layouts: tensors stored as indices and values (nn.Embedding(sparse=True) gradients), dense-copied
+# where the recorder needs every element.
+SPARSE_LAYOUTS = (torch.sparse_coo, torch.sparse_csr, torch.sparse_csc, torch.sparse_bsr, torch.sparse_bsc)
 
 
 def dense(tensor: torch.Tensor) -> torch.Tensor:
