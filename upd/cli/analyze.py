@@ -12,28 +12,28 @@ import click
 
 from ..analyzer.analyze import SUMMARY_CSV, analyze as analyze_run
 from ..analyzer.clipping import clipping_lines
-from ..analyzer.report import verdict, write_report
+from ..analyzer.report import param_groups_of, verdict, write_report
 from ..analyzer.summary import Thresholds, format_summary
 from ..integrations.tensorboard import INSTALL_HINT, export_tables
 from ..replay import ReplayRuleError
 from ..replay.engine import verify as verify_run
 from ..runfile.reader import frozen_params, open_run
 from ..outputs import write_csv
-from ..safe_text import terminal_safe, terminal_safe_frame
-from .common import RUN_ARG, fail
+from ..safe_text import shorten, shorten_all, terminal_safe
+from .common import RUN_ARG, WIDE_OPTION, fail
 from .verify import report_text
 
 
-def echo_analysis(result, thresholds: Thresholds) -> None:
-    safe = dataclasses.replace(result, summary=terminal_safe_frame(result.summary))  # names: the file's text
-    click.echo(format_summary(safe.summary))
-    click.echo("\n" + verdict(safe, thresholds))
+def echo_analysis(result, thresholds: Thresholds, wide: bool = False) -> None:
+    click.echo(format_summary(result.summary, wide=wide))  # names: the file's text, shown escaped and bounded
+    shown = result.summary.assign(param=result.summary["param"].map(shorten))
+    click.echo("\n" + verdict(dataclasses.replace(result, summary=shown), thresholds))
     for note in result.notes:
         click.echo(terminal_safe(note))
 
 
 def frozen_lines(run) -> list[str]:
-    return [f"frozen (requires_grad=False; no gradient, not analyzed): {', '.join(frozen_params(opt))}"
+    return [f"frozen (requires_grad=False; no gradient, not analyzed): {shorten_all(frozen_params(opt))}"
             for opt in run.optimizers if frozen_params(opt)]
 
 
@@ -66,7 +66,20 @@ def make_folder(path: str, option: str) -> None:
         fail(f"{option} {path}: cannot create the folder ({exc.strerror or exc})")
 
 
-@click.command()
+class OneRunCommand(click.Command):
+    """analyze reads one run: a second RUN is someone looking for `upd compare` (one line saying so, exit 2)."""
+
+    def parse_args(self, ctx, args):
+        try:
+            return super().parse_args(ctx, args)
+        except click.UsageError as exc:
+            if "unexpected extra argument" not in exc.format_message():
+                raise
+            raise click.UsageError("analyze reads one run; to compare runs side by side: upd compare RUN RUN...",
+                                   ctx) from None
+
+
+@click.command(cls=OneRunCommand)
 @RUN_ARG
 @click.option("--out", "out_dir", type=click.Path(), default=None,  # make_folder says what is wrong in one line
               help="Folder for the PNG plots and summary.csv (created if missing, never emptied). "
@@ -93,7 +106,8 @@ def make_folder(path: str, option: str) -> None:
 @click.option("--tensorboard", "tb_dir", type=click.Path(file_okay=False), default=None,
               help="Also export the ratios and norms as TensorBoard scalars to this log dir "
                    "(needs the tensorboard extra).")
-def analyze(run, out_dir, csv_path, html_path, with_verify, high, low, hist_step, all_params, no_plots, tb_dir):
+@WIDE_OPTION
+def analyze(run, out_dir, csv_path, html_path, with_verify, high, low, hist_step, all_params, no_plots, tb_dir, wide):
     """Compute update:data and grad:data ratios for every parameter and step of RUN.
 
     Prints one line per parameter, in model order: log10(std(update)/std(weight)) and log10(std(grad)/std(weight))
@@ -132,7 +146,8 @@ def analyze(run, out_dir, csv_path, html_path, with_verify, high, low, hist_step
             except ReplayRuleError as exc:
                 notes.append(f"verify could not run: {exc}")
         description = r.describe() if html_path else None
-    echo_analysis(result, thresholds)
+        groups = param_groups_of(r) if html_path else None
+    echo_analysis(result, thresholds, wide)
     for note in notes:
         click.echo(terminal_safe(note))
     if report is not None:
@@ -144,7 +159,8 @@ def analyze(run, out_dir, csv_path, html_path, with_verify, high, low, hist_step
         count = export_tables(result.ratios, scalars, tb_dir)
         click.echo(f"TensorBoard: {count} scalars in {tb_dir}/ (tensorboard --logdir {tb_dir})")
     if html_path:
-        write_report(html_path, result, description, thresholds=thresholds, notes=notes, verify_report=report)
+        write_report(html_path, result, description, thresholds=thresholds, notes=notes, verify_report=report,
+                     groups=groups)
         click.echo(f"report: {html_path}")
     if out_dir is not None:
         click.echo(f"plots and {SUMMARY_CSV} in {out_dir}/" if result.plots else f"{SUMMARY_CSV} in {out_dir}/")
