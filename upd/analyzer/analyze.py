@@ -64,13 +64,15 @@ def sample_notes(ratios: pd.DataFrame, options: dict) -> list[str]:
 
 
 def analyze(run, out_dir=None, *, thresholds: Thresholds = Thresholds(), hist_step: int | None = None,
-            all_params: bool = False, plots: bool | None = None) -> Analysis:
+            all_params: bool = False, plots: bool | None = None, progress=None) -> Analysis:
     """Compute ratios and the summary of a run (path, or an open Run or Job).
 
     plots: draw the figures (default: when out_dir is given); their PNG bytes are in ``.images``. out_dir: write
     summary.csv there, and the PNGs when drawn (the folder is created if needed, never emptied). hist_step: the
     histograms' step (default: the first, middle and last full records); ValueError, before any work, when the
-    run has no full-tensor record at that step."""
+    run has no full-tensor record at that step. progress: called with the name of each stage of the work as it
+    starts (a progress line)."""
+    stage = progress or (lambda label: None)
     plots = out_dir is not None if plots is None else plots
     own = not isinstance(run, (Run, Job))
     if own:
@@ -79,6 +81,7 @@ def analyze(run, out_dir=None, *, thresholds: Thresholds = Thresholds(), hist_st
         params = run.params()
         full_steps = full_record_steps(run, histogram_keys(params, all_params))
         hist_steps = compared_steps(full_steps, hist_step)
+        stage("computing the ratios")
         ratios = run.ratios()
         summary = summarize(ratios, params, thresholds)
         images = {}
@@ -86,7 +89,8 @@ def analyze(run, out_dir=None, *, thresholds: Thresholds = Thresholds(), hist_st
             from .plots import render_all  # matplotlib is imported only when plots are asked for
 
             images = render_all(run, ratios, summary, thresholds=thresholds, hist_steps=hist_steps,
-                                all_params=all_params, sample=estimated_from_samples(ratios, run.options))
+                                all_params=all_params, sample=estimated_from_samples(ratios, run.options),
+                                drawing=lambda name: stage(f"drawing {name}"))
         written = []
         if out_dir is not None:
             make_output_dir(out_dir)

@@ -474,10 +474,13 @@ HISTOGRAM_FIGURES = (  # file name, kind, what the values are
 
 
 def render_all(run, ratios: pd.DataFrame, summary: pd.DataFrame, *, thresholds: Thresholds,
-               hist_steps: list[int], all_params: bool = False, sample: int | None = None) -> dict[str, bytes]:
+               hist_steps: list[int], all_params: bool = False, sample: int | None = None,
+               drawing=None) -> dict[str, bytes]:
     """The standard figures as {file name: PNG bytes}: update:data and grad:data over the steps (with lr and loss),
     and gradient and weight histograms at hist_steps (see compared_steps). sample: the K of a run whose statistics
-    were estimated from K elements per tensor (stats_sample), said in the ratio figures' titles."""
+    were estimated from K elements per tensor (stats_sample), said in the ratio figures' titles. drawing(name):
+    called as each figure starts (a progress line)."""
+    drawing = drawing or (lambda name: None)
     params = run.params()
     scalars = run.scalars() if hasattr(run, "scalars") else None
     flagged = {(r.optimizer, r.param): r.status for r in summary.itertuples()}
@@ -486,6 +489,7 @@ def render_all(run, ratios: pd.DataFrame, summary: pd.DataFrame, *, thresholds: 
         update = column == "update_to_data"
         if sample is not None:
             title += f"; per-step statistics estimated from {sample} elements of each larger tensor"
+        drawing(name)
         images[name] = png_bytes(ratio_figure(
             ratios, params, column, title=title, scalars=scalars, thresholds=thresholds if update else None,
             guide=thresholds.target if update else None, flagged=flagged, all_params=all_params))
@@ -497,6 +501,7 @@ def render_all(run, ratios: pd.DataFrame, summary: pd.DataFrame, *, thresholds: 
     note = f"{len(chosen)} of {len(keys)} weights: every flagged one, the rest spread in model order" \
         if len(chosen) < len(keys) else ""
     for name, kind, what in HISTOGRAM_FIGURES if hist_steps else ():  # no full record: no figure (the notes say)
+        drawing(name)
         panels = histogram_panels(run, chosen, kind, hist_steps)
         title = f"{what} values per weight at step{'s' if len(hist_steps) > 1 else ''} " \
                 f"{', '.join(map(str, hist_steps))} (each panel its own range; far tails cut, counted as outside)"

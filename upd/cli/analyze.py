@@ -21,6 +21,7 @@ from ..runfile.reader import frozen_params, open_run
 from ..outputs import write_csv
 from ..safe_text import shorten, shorten_all, terminal_safe
 from .common import RUN_ARG, WIDE_OPTION, fail
+from .progress import Progress
 from .verify import report_text
 
 
@@ -132,19 +133,20 @@ def analyze(run, out_dir, csv_path, html_path, with_verify, high, low, hist_step
             make_folder(out_dir, "--out")
         if r.live:
             click.echo(f"{run}: being written; analyzing the records committed so far\n")
-        try:
-            result = analyze_run(r, out_dir, thresholds=thresholds, hist_step=hist_step, all_params=all_params,
-                                 plots=not no_plots)
-        except ValueError as exc:  # a --step without a full record: checked before the ratios are computed
-            fail(f"--step: {exc}")
-        notes = clipping_lines(r) + frozen_lines(r)
-        scalars = r.scalars()
-        report = None
-        if with_verify:
+        with Progress("analyzing") as bar:  # on stderr, and only on a terminal
             try:
-                report = verify_run(r)
-            except ReplayRuleError as exc:
-                notes.append(f"verify could not run: {exc}")
+                result = analyze_run(r, out_dir, thresholds=thresholds, hist_step=hist_step, all_params=all_params,
+                                     plots=not no_plots, progress=bar.stage)
+            except ValueError as exc:  # a --step without a full record: checked before the ratios are computed
+                fail(f"--step: {exc}")
+            notes = clipping_lines(r) + frozen_lines(r)
+            scalars = r.scalars()
+            report = None
+            if with_verify:
+                try:
+                    report = verify_run(r, progress=lambda done, total: bar.update(done, total, "verifying"))
+                except ReplayRuleError as exc:
+                    notes.append(f"verify could not run: {exc}")
         description = r.describe() if html_path else None
         groups = param_groups_of(r) if html_path else None
     echo_analysis(result, thresholds, wide)

@@ -16,6 +16,7 @@ from ..safe_text import shorten, shorten_all, terminal_safe_frame, text_table
 from ..runfile.reader import frozen_params, open_run
 from ..analyzer.report import VERIFY_COLUMNS_TEXT, VERIFY_HEADERS, verify_table
 from .common import RUN_ARG, WIDE_OPTION, fail
+from .progress import Progress
 
 
 LINE_CHARS = 1000  # a problem or note line quoting the file (a name, a value) is bounded too
@@ -77,7 +78,8 @@ def verify(run, rtol, ulps, as_json, csv_path, rule_modules, jobs, wide):
     except Exception as exc:
         fail(f"could not load replay rules: {type(exc).__name__}: {exc}")
     try:
-        report = verify_run(run, rtol=rtol, ulps=ulps, jobs=jobs, rule_modules=rule_modules)
+        with Progress("verifying") as bar:  # on stderr, and only on a terminal
+            report = verify_run(run, rtol=rtol, ulps=ulps, jobs=jobs, rule_modules=rule_modules, progress=bar.update)
     except ReplayRuleError as exc:
         if os.environ.get("UPD_DEBUG"):
             raise
