@@ -106,14 +106,20 @@ def shorten(text, limit: int = NAME_CHARS) -> str:
     text = terminal_safe(text)
     if len(text) <= limit:
         return text
-    head = (limit - 1 + 1) // 2
+    head = limit // 2
     tail = limit - 1 - head
     return text[:head] + ELLIPSIS + (text[-tail:] if tail else "")
 
 
-def shorten_all(names, limit: int = NAME_CHARS) -> str:
-    """A comma-separated list of shortened names (each bounded; the line grows with their number alone)."""
-    return ", ".join(shorten(n, limit) for n in names)
+LISTED_NAMES = 20  # names a line lists before "and N more" (--json and the tables have every one)
+
+
+def shorten_all(names, limit: int = NAME_CHARS, most: int = LISTED_NAMES) -> str:
+    """A comma-separated list of the first `most` names, each shortened, then how many more there are: a line
+    bounded whatever the number and the length of the names."""
+    names = list(names)
+    more = f", and {len(names) - most} more" if len(names) > most else ""
+    return ", ".join(shorten(n, limit) for n in names[:most]) + more
 
 
 def _cell(value, fmt) -> str:
@@ -166,7 +172,8 @@ def text_table(frame: pd.DataFrame, *, formats: dict | None = None, keep=(), dro
                 break
             if c not in keep and c not in names:
                 shown.remove(c)
-                left_out.insert(0, c)
+                left_out.append(c)
+        left_out.sort(key=columns.index)
         over = total(shown) - width
         for c in (c for c in names if c in shown):
             if over <= 0:

@@ -17,6 +17,7 @@ import pandas as pd
 
 from .. import __version__
 from ..outputs import open_output
+from ..safe_text import LISTED_NAMES
 from .analyze import Analysis
 from .summary import FLAGGED_STATUSES, SUMMARY_HEADERS, Thresholds
 
@@ -109,13 +110,19 @@ def verify_table(by_param: pd.DataFrame) -> pd.DataFrame:
     return by_param[columns]
 
 
-def verdict(analysis: Analysis, thresholds: Thresholds) -> str:
-    """The one line `upd analyze` ends with: which weights are flagged, or that none is (never about zero)."""
+VERDICT_NAMES = LISTED_NAMES  # flagged weights the verdict names; the summary table (and summary.csv) has all
+
+
+def verdict(analysis: Analysis, thresholds: Thresholds, names: int = VERDICT_NAMES) -> str:
+    """The one line `upd analyze` ends with: which weights are flagged (the first `names` of them named), or that
+    none is (never about zero)."""
     bounds = f"[{thresholds.low:g}, {thresholds.high:g}]"
     flagged = analysis.flagged
     if len(flagged):
+        more = f", and {len(flagged) - names} more (the table lists them)" if len(flagged) > names else ""
         return (f"{len(flagged)} weight(s) outside {bounds} (healthy near {thresholds.target:g}): "
-                + ", ".join(f"{r.param} {r.status} ({r.median_update_to_data:.2f})" for r in flagged.itertuples()))
+                + ", ".join(f"{r.param} {r.status} ({r.median_update_to_data:.2f})"
+                            for r in flagged.head(names).itertuples()) + more)
     if not analysis.summary["status"].isin(["ok", *FLAGGED_STATUSES]).any():
         return "no weight (ndim >= 2) with a finite update:data ratio was recorded: nothing to judge"
     return f"all weights within {bounds}"

@@ -11,9 +11,10 @@ import os
 import click
 
 from ..analyzer.compare import QUANTITIES, TABLE_CSV, compare as compare_runs, format_comparison
+from ..analyzer.report import VERDICT_NAMES
 from ..analyzer.summary import Thresholds
 from .analyze import make_folder
-from ..safe_text import shorten, terminal_safe
+from ..safe_text import shorten
 from .common import WIDE_OPTION, fail
 
 
@@ -64,7 +65,9 @@ def compare(runs, labels, out_dir, quantity, high, low, all_params, no_plots, wi
     for label in comparison.labels:
         part = flagged[flagged["run"] == label]
         if len(part):
+            more = f", and {len(part) - VERDICT_NAMES} more" if len(part) > VERDICT_NAMES else ""
             click.echo(f"{label}: {len(part)} weight(s) flagged: "
-                       + ", ".join(f"{shorten(r.param)} {r.status}" for r in part.itertuples()))
+                       + ", ".join(f"{shorten(r.param)} {r.status}" for r in part.head(VERDICT_NAMES).itertuples())
+                       + more)
     if out_dir is not None:
         click.echo(f"figures and {TABLE_CSV} in {out_dir}/" if comparison.plots else f"{TABLE_CSV} in {out_dir}/")

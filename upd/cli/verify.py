@@ -12,7 +12,7 @@ from ..replay import ReplayRuleError, load_plugins
 from ..replay.engine import EXIT_RULE_FAILED, verify as verify_run
 from ..replay.registry import check_tolerances
 from ..outputs import write_csv
-from ..safe_text import shorten, shorten_all, terminal_safe_frame, text_table
+from ..safe_text import LISTED_NAMES, shorten, shorten_all, terminal_safe_frame, text_table
 from ..runfile.reader import frozen_params, open_run
 from ..analyzer.report import VERIFY_COLUMNS_TEXT, VERIFY_HEADERS, verify_table
 from .common import RUN_ARG, WIDE_OPTION, fail
@@ -31,7 +31,13 @@ def report_text(report) -> str:
     return dataclasses.replace(report, path=shorten(report.path, LINE_CHARS), checks=checks,
                                problems=[shorten(p, LINE_CHARS) for p in report.problems],
                                precision_notes=[shorten(n, LINE_CHARS) for n in report.precision_notes],
-                               params_not_optimized=[shorten(n) for n in report.params_not_optimized]).summary()
+                               params_not_optimized=listed(report.params_not_optimized)).summary()
+
+
+def listed(names: list) -> list[str]:
+    """The first LISTED_NAMES names shortened, and how many more there are (--json has every one)."""
+    more = [f"and {len(names) - LISTED_NAMES} more"] if len(names) > LISTED_NAMES else []
+    return [shorten(n) for n in names[:LISTED_NAMES]] + more
 
 
 @click.command(epilog="The table, one row per parameter: checked (its recorded steps replayed), mismatched, "
