@@ -81,3 +81,10 @@ def test_progress_on_a_terminal_and_nothing_when_piped(tmp_path):
     piped = subprocess.run([sys.executable, "-m", "upd", "verify", adam], capture_output=True, text=True, timeout=300)
     assert piped.returncode == 0 and piped.stderr == ""  # piped: not one character of progress
     assert outputs["verify"] == piped.stdout  # stdout the same either way
+
+
+def test_main_help_lists_each_command_whole_and_the_interrupted_code():
+    out = CliRunner().invoke(main, ["--help"]).output
+    commands = out.split("Commands:")[1].split("Exit codes:")[0]
+    assert "..." not in commands and len([line for line in commands.splitlines() if line.strip()]) == 6
+    assert "130  interrupted (Ctrl-C)" in out

@@ -38,8 +38,8 @@ VERIFY_COLUMNS_TEXT = (
     "err/tol: the worst error over the parameter's checks divided by the check's tolerance (a check passes at "
     "1 or below). err/update: the worst error divided by the largest recorded update of that step, how large the "
     "error is next to the update itself: near 0 on a conclusive match; near 1 or above only where the update is at "
-    "the storage's precision (an lr scheduled to almost 0, reduced-precision storage), which the tolerance allows and "
-    "which makes that check inconclusive.")
+    "the storage's precision (an lr scheduled to almost 0, reduced-precision storage), which the tolerance "
+    "allows (such a check is usually inconclusive).")
 NOTE_COLUMNS = ("explanation",)  # long text: the cell wraps
 
 _STYLE = """

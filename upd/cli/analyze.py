@@ -82,7 +82,7 @@ class OneRunCommand(click.Command):
 
 @click.command(cls=OneRunCommand)
 @RUN_ARG
-@click.option("--out", "out_dir", type=click.Path(), default=None,  # make_folder says what is wrong in one line
+@click.option("--out", "out_dir", type=click.Path(), default=None, metavar="DIR",  # make_folder says what is wrong in one line
               help="Folder for the PNG plots and summary.csv (created if missing, never emptied). "
                    "Default: RUN's name without .h5, plus '-analysis'. With --no-plots, summary.csv alone, and only "
                    "when --out is given.")

@@ -13,14 +13,14 @@ from ..safe_text import terminal_safe
 
 EXIT_CODES = """\b
 Exit codes:
-  0  success (verify: every checked step matched)
-  1  verify: at least one recorded update differs from the replay
-  2  unusable input: missing or unreadable file, not a torch-upd run, bad option
-  3  verify: nothing verifiable (no replay rule for the optimizer, what the
-     replay needs was not recorded, or every check inconclusive: the
-     storage precision cannot tell the update from none)
-  4  verify: a replay rule failed (raised an error: a bug in the rule, named
-     with the step and parameter, not in the run file)
+    0  success (verify: every checked step matched)
+    1  verify: at least one recorded update differs from the replay
+    2  unusable input: missing or unreadable file, not a torch-upd run, bad option
+    3  verify: nothing verifiable (no replay rule for the optimizer, what the
+       replay needs was not recorded, or every check inconclusive: the
+       storage precision cannot tell the update from none)
+    4  verify: a replay rule failed (raised an error: a bug in the rule, named
+       with the step and parameter, not in the run file)
   130  interrupted (Ctrl-C): nothing was concluded
 """
 

@@ -100,7 +100,10 @@ def split_loss(model: MLP, X: torch.Tensor, Y: torch.Tensor) -> float:
         model.train(was_training)
 
 
-def train(path, *, steps: int = 300, init: str = "good", seed: int = 0, batch_size: int = 32, lr: float = 0.1,
+DEFAULT_STEPS = 300
+
+
+def train(path, *, steps: int = DEFAULT_STEPS, init: str = "good", seed: int = 0, batch_size: int = 32, lr: float = 0.1,
           every: int = 1, n_hidden: int = 48, n_layers: int = 4, log=print, progress=None) -> dict:
     """Train the MLP on the shipped names with SGD, recording every ``every``-th step to the run file ``path``.
 
