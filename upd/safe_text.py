@@ -143,13 +143,14 @@ def _header_lines(header: str, width: int) -> list[str]:
 
 
 def text_table(frame: pd.DataFrame, *, formats: dict | None = None, keep=(), drop=(), names=("param",),
-               wide: bool = False, width: int = TABLE_WIDTH) -> str:
+               wide: bool = False, width: int = TABLE_WIDTH, wrap_headers: bool = True) -> str:
     """`frame` as an aligned text table (text left-aligned, numbers right), every cell terminal_safe and bounded.
 
     Without `wide` the table fits `width` columns: the columns not in `keep` are left out, those in `drop` first
     (in its order), then from the last one back, until it fits (a last line names them and says --wide shows them), then the `names` columns are shortened in the
     middle, down to MIN_NAME_CHARS. With `wide`: every column, cells up to WIDE_CELL_CHARS. `formats`: column ->
-    function of a present value (missing values show as "-"; floats default to 2 decimals)."""
+    function of a present value (missing values show as "-"; floats default to 2 decimals). wrap_headers: a header
+    wider than its cells goes on two lines, split at a space (False: one line, a header that is a formula)."""
     formats = formats or {}
     columns = list(frame.columns)
     numeric = {c: pd.api.types.is_numeric_dtype(frame[c]) and not pd.api.types.is_bool_dtype(frame[c])
@@ -159,9 +160,12 @@ def text_table(frame: pd.DataFrame, *, formats: dict | None = None, keep=(), dro
     cells = {c: [shorten(v, limit) for v in raw[c]] for c in columns}
     headers = {c: shorten(c, limit) for c in columns}
 
+    def split(header, cells_width):
+        return _header_lines(header, cells_width) if wrap_headers else [header.strip()]
+
     def column_width(c):
         body = max((len(v) for v in cells[c]), default=0)
-        return max([body] + [len(h) for h in _header_lines(headers[c], max(body, 1))])
+        return max([body] + [len(h) for h in split(headers[c], max(body, 1))])
 
     widths = {c: column_width(c) for c in columns}
     total = lambda shown: sum(widths[c] for c in shown) + 2 * (len(shown) - 1)  # noqa: E731
@@ -184,7 +188,7 @@ def text_table(frame: pd.DataFrame, *, formats: dict | None = None, keep=(), dro
                 headers[c] = shorten(c, new)
                 over -= widths[c] - column_width(c)
                 widths[c] = column_width(c)
-    header_rows = [_header_lines(headers[c], widths[c]) for c in shown]
+    header_rows = [split(headers[c], widths[c]) for c in shown]
     depth = max((len(h) for h in header_rows), default=1)
     header_rows = [[""] * (depth - len(h)) + h for h in header_rows]
 

@@ -157,4 +157,5 @@ def format_comparison(table: pd.DataFrame, wide: bool = False) -> str:
         return "(no weight in any run)"
     shown = table.drop(columns=["optimizer"]) if table["optimizer"].nunique() == 1 else table.copy()
     formatters = {c: (lambda v: f"{v:+.2f}" if v == v else "-") for c in shown.columns if " - " in str(c)}
-    return text_table(shown, formats=formatters, keep=[c for c in shown.columns if c != "shape"], wide=wide)
+    return text_table(shown, formats=formatters, keep=[c for c in shown.columns if c != "shape"], wide=wide,
+                      wrap_headers=False)  # "bad - good" reads as one
