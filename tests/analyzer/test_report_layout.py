@@ -50,6 +50,7 @@ def _report(path, verify=False):
                                  verify_report=upd.verify(path) if verify else None)
 
 
+@pytest.mark.slow  # records and draws: several seconds
 def test_statistics_only_run_draws_no_placeholder_histograms_and_says_why(tmp_path):
     path = record_deep(tmp_path / "stats.h5", n_layers=3, steps=4, every=None, stats_every=1)
     analysis, text = _report(path)
@@ -59,6 +60,7 @@ def test_statistics_only_run_draws_no_placeholder_histograms_and_says_why(tmp_pa
     assert "at step  (" not in text
 
 
+@pytest.mark.slow
 def test_metadata_shows_each_param_groups_own_values(tmp_path):
     _, text = _report(_two_group_adamw(tmp_path / "groups.h5"))
     row = re.search(r"<tr><td[^>]*>weight_decay</td>(.*?)</tr>", text).group(1)
