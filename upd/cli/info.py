@@ -62,14 +62,17 @@ def info(run, as_json):
                    + (f"; lacks steps {lacks} (the job reads the steps every rank holds)" if lacks else ""))
     for opt in desc["optimizers"]:
         span = f"steps {opt['first_step']}..{opt['last_step']}" if opt["records"] else "no steps"
+        stats_span = f" (steps {opt['first_recorded_step']}..{opt['last_recorded_step']})" \
+            if opt["stats_steps"] and opt.get("first_recorded_step") is not None else ""
         click.echo(f"optimizer {opt['index']}: {opt['class']}, {opt['param_groups']} param group(s), "
-                   f"{opt['records']} full-tensor records ({span}), {opt['stats_steps']} statistics steps")
+                   f"{opt['records']} full-tensor records ({span}), {opt['stats_steps']} statistics steps{stats_span}")
         width = max([len(p["name"]) for p in opt["params"]] + [5])
         for p in opt["params"]:
             shape = "x".join(map(str, p["shape"])) or "scalar"
             where = f"  {p['layout']} on ranks {','.join(map(str, p['ranks']))}" if "layout" in p else ""
+            rows = f"{p['rows']:>5} full rows" + (f", {p['stats_rows']} statistics rows" if p.get("stats_rows") else "")
             click.echo(f"  {p['name']:<{width}}  {shape:>12}  {p['dtype'] or '?':>8}  group {p['group']}  "
-                       f"{p['rows']:>5} rows  state: {','.join(p['state']) or '-'}{where}")
+                       f"{rows}  state: {','.join(p['state']) or '-'}{where}")
         if opt.get("frozen"):
             click.echo(f"  frozen (requires_grad=False when recording started; no gradient, no rows): "
                        f"{', '.join(opt['frozen'])}")
