@@ -29,9 +29,9 @@ def recorded_size(steps: int, every: int | None, first: int) -> int:
     w = gpt_workload()
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, "run.h5")
-        with upd.record(path, w.model, w.opt, every=every or 10**9, stats_every=1) as rec:
+        with upd.record(path, w.model, w.opt, every=None, stats_every=1) as rec:
             for step in range(steps):
-                rec.every = 1 if cadence.is_full_step(step, every, first) else (every or 10**9)
+                rec.every = 1 if cadence.is_full_step(step, every, first) else None
                 w.forward_backward()
                 w.opt.step()
         return os.path.getsize(path)

@@ -75,16 +75,20 @@ class StatsTableWriter:
     """Appends rows to one optimizer's statistics table; ``write(recs)`` writes their rows (uncommitted),
     ``commit(recs)`` then appends their steps: the commit protocol's two halves (writer.py flushes in between)."""
 
-    def __init__(self, optimizer_group: h5py.Group):
+    def __init__(self, optimizer_group: h5py.Group, create_group=None):
+        """create_group(parent, name): how the writer creates the table's group when it has none yet (hidden from
+        readers until the first rows' commit); default: linked at once."""
         from .writer import _create_declared  # writer.py imports this module
 
         if schema.STATS not in optimizer_group:
-            st = optimizer_group.create_group(schema.STATS)
+            st = (create_group or h5py.Group.create_group)(optimizer_group, schema.STATS)
             _create_declared(st, schema.STATS_TABLE)  # values: at the first row, when its width is known
             st.attrs[schema.STATS_PARAMS] = encoding.to_json([])
             st.attrs[schema.STATS_COLUMNS] = encoding.to_json([])
             st.attrs[schema.STATS_PARAM_META] = encoding.to_json({})
-        self.group = st = optimizer_group[schema.STATS]
+        else:
+            st = optimizer_group[schema.STATS]
+        self.group = st
         self.params = list(encoding.from_json(st.attrs[schema.STATS_PARAMS]))
         self.columns = list(encoding.from_json(st.attrs[schema.STATS_COLUMNS]))
         self.param_index = {n: i for i, n in enumerate(self.params)}
