@@ -139,9 +139,8 @@ class ParamRecord(ParamHistory):
         check, where = self._check, self._where
         with check.reading(where):
             links = validate.link_types(group)  # one pass over the group's links serves every lookup below
-        records = validate.record_index(check, group, where, links)
         # Rows whose record was never committed (a crash mid-record) do not exist for readers.
-        records = records[records < self.optimizer.num_records]
+        records = validate.record_index(check, group, where, links, committed=self.optimizer.num_records)
         # {kind: storage dtype}, its datasets checked at the first read (validate.ParamDatasets: opening stays cheap)
         storage = validate.ParamDatasets(check, group, where, self.shape, len(records), links,
                                          None if self._listed is None else self._listed.kinds)

@@ -539,9 +539,12 @@ def meta_problem(meta: dict) -> str | None:
     return problem
 
 
-def record_index(check: Validator, group: h5py.Group, where: str, links: dict | None = None) -> np.ndarray:
+def record_index(check: Validator, group: h5py.Group, where: str, links: dict | None = None,
+                 committed: int | None = None) -> np.ndarray:
     """A parameter's record index: for each row, the record it belongs to, non-negative and increasing.
-    links: the group's link_types, when the caller has them."""
+    links: the group's link_types, when the caller has them. committed: the optimizer's committed records; the
+    rows from the first that belongs to no committed record on are cut (rows of a record being written at a kill:
+    the dataset's length can include a row whose value never reached the disk and reads as the fill value)."""
     at = f"{where}: dataset '{schema.RECORD_INDEX}'"
     index_ds = check.declared(group, schema.PARAMETER.dataset(schema.RECORD_INDEX), at, links=links)
     check.readable(index_ds, index_ds.shape[0], at)
@@ -551,6 +554,10 @@ def record_index(check: Validator, group: h5py.Group, where: str, links: dict | 
         if records.size:
             index_ds.id.read(h5py.h5s.ALL, h5py.h5s.ALL, records)
         records = records.astype(np.int64, copy=False)
+    if committed is not None and len(records):
+        beyond = (records >= committed) | (np.arange(len(records)) > 0) & (records <= np.roll(records, 1))
+        if beyond.any():
+            records = records[:int(np.argmax(beyond))]
     if len(records) and (records.min() < 0 or (np.diff(records) < 0).any()):
         raise check.fail(at, "record indices are negative or not in increasing order")
     return records
