@@ -216,6 +216,48 @@ class RunWriter:
         steps = [int(t[schema.COMMIT_COLUMN][-1]) for t in tables if t[schema.COMMIT_COLUMN].shape[0]]
         return max(steps) if steps else None
 
+    def truncate_from(self, index: int, step: int) -> dict:
+        """Drop optimizer `index`'s committed rows of steps at and after `step` (a run resumed from a checkpoint
+        older than its last recorded step: those steps were trained again, docs/reliability.md, "Resuming");
+        return {"records", "stats_rows", "scalar_rows"} dropped, and note it in the run's last ``resumes`` entry.
+
+        The commit columns are cut first and flushed: a kill before the rest is cut leaves rows beyond the commits,
+        which readers ignore and the next resume drops, like any uncommitted row."""
+        grp = self._optimizer(index)
+        if grp is None:
+            return {"records": 0, "stats_rows": 0, "scalar_rows": 0}
+        tables = {"records": (grp[schema.RECORDS], schema.RECORD_TABLE),
+                  "stats_rows": (grp[schema.STATS], schema.STATS_TABLE) if schema.STATS in grp else None,
+                  "scalar_rows": (grp[schema.SCALARS], schema.SCALARS_TABLE) if schema.SCALARS in grp else None}
+        keep, dropped = {}, {}
+        for label, found in tables.items():
+            if found is None:
+                dropped[label] = 0
+                continue
+            steps = found[0][schema.COMMIT_COLUMN][()]
+            later = np.nonzero(steps >= step)[0]
+            keep[label] = int(later[0]) if len(later) else len(steps)  # rows are in step order
+            dropped[label] = len(steps) - keep[label]
+        if not any(dropped.values()):
+            return dropped
+        self._locks.begin()
+        for label, rows in keep.items():
+            tables[label][0][schema.COMMIT_COLUMN].resize(rows, axis=0)
+        self.file.flush()
+        for label, rows in keep.items():
+            _truncate(*tables[label], rows)
+        for param in grp[schema.PARAMS].values():
+            valid = int((param[schema.RECORD_INDEX][()] < keep["records"]).sum())
+            _truncate(param, schema.PARAMETER, valid)
+            _truncate(param[schema.STATE_GROUP], schema.STATE, valid)
+        self._records_written[index] = keep["records"]
+        resumes = encoding.from_json(self.file.attrs.get(schema.ATTR_RESUMES, "[]"))
+        if resumes:
+            resumes[-1].setdefault("truncated", []).append({"optimizer": index, "from_step": int(step), **dropped})
+            self.file.attrs[schema.ATTR_RESUMES] = encoding.to_json(resumes)
+        self._flushed()
+        return dropped
+
     # -- structure -------------------------------------------------------------------------------------------
     def add_optimizer(self, index: int, meta: dict) -> None:
         if self._optimizer(index) is not None:  # resuming: the optimizer's structure is there already
