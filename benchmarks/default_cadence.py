@@ -6,7 +6,7 @@ from parameter counts for GPT-2 small (124M).
 Records the reference transformer (benchmarks.overhead.gpt_workload, AdamW) twice for ``--steps`` steps with
 statistics at every step, once with full records at the first ``cadence.FIRST_FULL_STEPS`` steps: the difference is
 what those full records took (measured), against ``cadence.full_record_bytes`` (predicted); the first run's size per
-step is a statistics step's. The 124M figures scale the statistics by the number of tensors (a statistics row is a
+step is a statistics step's plus the file's fixed structure (an upper bound for short runs). The 124M figures scale the statistics by the number of tensors (a statistics row is a
 few numbers per tensor, whatever its size) and take the full record from ``full_record_bytes``.
 """
 from __future__ import annotations
