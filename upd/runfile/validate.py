@@ -557,7 +557,12 @@ def record_index(check: Validator, group: h5py.Group, where: str, links: dict | 
     if committed is not None and len(records):
         beyond = (records >= committed) | (np.arange(len(records)) > 0) & (records <= np.roll(records, 1))
         if beyond.any():
-            records = records[:int(np.argmax(beyond))]
+            cut = int(np.argmax(beyond))
+            tail = records[cut:]
+            # what a kill leaves: rows of records not committed, or never written (the fill value, 0); anything
+            # else past the committed rows is a file that lies about its rows, refused below
+            if ((tail >= committed) | (tail == 0)).all():
+                records = records[:cut]
     if len(records) and (records.min() < 0 or (np.diff(records) < 0).any()):
         raise check.fail(at, "record indices are negative or not in increasing order")
     return records
