@@ -553,6 +553,12 @@ STATS_MUTATIONS = [
     ("values all NaN (no parameter had a gradient)", lambda f: f[ST_VALUES].__setitem__(slice(None), np.nan),
      STATS_ONLY),
     ("no values yet (table not started)", lambda f: f.__delitem__(ST_VALUES), STATS_ONLY),
+    ("stats/backward_pass shorter than the steps", lambda f: f[stat(schema.BACKWARD_PASS)].resize((1,)), BROKEN),
+    ("stats/backward_pass float", lambda f: _replace_dataset(f, stat(schema.BACKWARD_PASS),
+                                                             f[stat(schema.BACKWARD_PASS)][()].astype("f8")), BROKEN),
+    ("stats/hparams missing", lambda f: f.__delitem__(stat(schema.HPARAMS)), BROKEN),
+    ("stats/hparams not JSON (groups unknown, the rest reads)",
+     lambda f: f[stat(schema.HPARAMS)].__setitem__(slice(None), "[["), STATS_ONLY),
 ]
 
 
