@@ -15,10 +15,10 @@ _WHERE = {"record": ".recorder", "Recorder": ".recorder", "RecorderWarning": ".r
           "verify": ".replay.engine", "VerifyReport": ".replay.engine",
           "analyze": ".analyzer.analyze", "Analysis": ".analyzer.analyze",
           "compare": ".analyzer.compare", "Comparison": ".analyzer.compare",
-          "Thresholds": ".analyzer.summary", "replay": None}
+          "Thresholds": ".analyzer.summary", "replay": None, "sinks": None}
 
 __all__ = ["record", "Recorder", "RecorderWarning", "open_run", "Run", "Job", "RunFileError", "verify", "VerifyReport",
-           "analyze", "Analysis", "compare", "Comparison", "Thresholds", "replay", "__version__"]
+           "analyze", "Analysis", "compare", "Comparison", "Thresholds", "replay", "sinks", "__version__"]
 
 
 def __getattr__(name: str):

@@ -18,17 +18,22 @@ complex plane counts like any other change. The recorder's statistics and the an
 """
 from __future__ import annotations
 
-import numpy as np
-import torch
+from typing import TYPE_CHECKING
 
-UPDATE_TO_DATA = "update_to_data"
-GRAD_TO_DATA = "grad_to_data"
-RATIO_NAMES = (UPDATE_TO_DATA, GRAD_TO_DATA)
+import numpy as np
+
+if TYPE_CHECKING:
+    import torch
+
+from .statistics import GRAD_TO_DATA, UPDATE_TO_DATA
+from .statistics import RATIOS as RATIO_NAMES
 
 
 def real_numbers(t: torch.Tensor) -> torch.Tensor:
     """The numbers a tensor's ratio statistics are taken over: a complex tensor's real and imaginary parts as pairs
     (``torch.view_as_real``: shape (..., 2), no copy), any other tensor as it is."""
+    import torch  # here: the ratio names and log10_ratio serve readers that import no torch
+
     return torch.view_as_real(t) if t.is_complex() else t
 
 

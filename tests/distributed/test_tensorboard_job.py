@@ -24,6 +24,7 @@ from upd.integrations.tensorboard import TAGS
 from upd.ratios import grad_to_data, update_to_data
 from upd.recorder import distributed
 from upd.recorder.device_stats import STATS, stats_rows
+from upd.sinks.feed import SINKS_JOB, SINKS_OWN
 from upd.recorder.job_scalars import FIELDS, KINDS, JobScalars, Slot, contribution, scalars
 from upd.runfile.ranks import rank_path
 
@@ -114,16 +115,16 @@ def _setup(rank=0, recording="all", parallelism="fsdp", split=True):
                                  job_path="r/x.h5", split=split)
 
 
-def test_who_writes_tensorboard_in_a_job():
-    role = distributed.tensorboard_role
-    assert role(None) == distributed.TB_OWN  # one process
-    assert role(_setup(0)) == role(_setup(1)) == distributed.TB_JOB  # FSDP2 / ZeRO on every rank
-    assert role(_setup(0, parallelism="zero")) == distributed.TB_JOB
+def test_who_feeds_the_sinks_in_a_job():
+    role = distributed.sink_role
+    assert role(None) == SINKS_OWN  # one process
+    assert role(_setup(0)) == role(_setup(1)) == SINKS_JOB  # FSDP2 / ZeRO on every rank
+    assert role(_setup(0, parallelism="zero")) == SINKS_JOB
     for parallelism in ("ddp", "replicated"):  # replicas: rank 0's statistics are the job's, no collective
         assert role(_setup(0, "all", parallelism, False)) == role(_setup(0, [0], parallelism, False)) == "own"
         assert role(_setup(1, "all", parallelism, False)) == role(_setup(1, [0], parallelism, False)) == "none"
         assert role(_setup(1, [1], parallelism, False)) == "own"
-    with pytest.raises(ValueError, match="needs every rank of this job recording"):
+    with pytest.raises(ValueError, match="need every rank of this job recording"):
         role(_setup(0, [0]))
 
 
@@ -229,13 +230,13 @@ def _train_fsdp(model, optimizer, rank: int, world: int) -> None:
 
 def _fail_at(rec, step: int) -> None:
     """Make this rank's recorder fail (as a full disk would) while computing the statistics of `step`."""
-    compute = rec._step_statistics
+    after_step = rec._after_step
 
-    def failing(pending):
-        if pending.record.step == step:
+    def failing(opt_index, optimizer):
+        if rec._steps_done[opt_index] == step:  # the step about to be recorded
             raise OSError("injected: no space left on device")
-        return compute(pending)
-    rec._step_statistics = failing
+        return after_step(opt_index, optimizer)
+    rec._after_step = failing
 
 
 def _run_config(config: str, rank: int, world: int, folder: str, mesh) -> dict:
@@ -400,7 +401,7 @@ def test_a_recorder_error_on_one_rank_stops_the_scalars_everywhere_without_a_han
     folder, results = job
     config = "fsdp_tb-fails"
     assert _extra_all_reduces(results, config, "fsdp_unrecorded") == [FAIL_STEP + 1, FAIL_STEP + 1]
-    assert results[0][config]["warnings"] == [f"torch-upd: the job's live TensorBoard scalars stop: recording "
+    assert results[0][config]["warnings"] == [f"torch-upd: the job's live statistics stop: recording "
                                               f"stopped on rank 1 at step {FAIL_STEP}; training continues."]
     assert len(results[1][config]["warnings"]) == 1 and "injected" in results[1][config]["warnings"][0]
     assert results[0][config]["active_at_end"] and not results[1][config]["active_at_end"]
@@ -414,7 +415,7 @@ def test_a_rank_that_cannot_create_its_file_still_joins_once(job):
     config = "fsdp_tb-no-file"
     assert _extra_all_reduces(results, config, "fsdp_unrecorded") == [1, 1]
     assert "cannot record to" in results[1][config]["warnings"][0]
-    assert results[0][config]["warnings"] == ["torch-upd: the job's live TensorBoard scalars stop: recording "
+    assert results[0][config]["warnings"] == ["torch-upd: the job's live statistics stop: recording "
                                               "stopped on rank 1 at step 0; training continues."]
     assert read_scalars(os.path.join(folder, "tb", config)) == {}
 
@@ -423,7 +424,7 @@ def test_a_rank_that_cannot_create_its_file_still_joins_once(job):
 def test_tensorboard_on_one_rank_of_a_sharded_job_is_refused_on_every_rank(job):
     _, results = job
     for r in results:
-        assert "tensorboard= needs every rank of this job recording" in r["fsdp_tb-one-rank"]["refused"]
+        assert "(sinks=, tensorboard=) need every rank of this job recording" in r["fsdp_tb-one-rank"]["refused"]
 
 
 @pytest.mark.slow

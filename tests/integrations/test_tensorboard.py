@@ -9,7 +9,8 @@ import torch
 from torch import nn
 
 import upd
-from upd.integrations.tensorboard import INSTALL_HINT, TAGS, TensorBoardSink, export_ratios
+from upd.integrations.tensorboard import INSTALL_HINT, TAGS, export_ratios
+from upd.sinks import SinkStep, TensorBoard
 
 from tests.harness.paths import SAMPLE_RUNS
 from tests.harness.training import MLP, train_steps
@@ -137,28 +138,33 @@ class FakeWriter:
 def test_export_writes_once_per_step_in_step_order(adam_run, monkeypatch):
     shuffled = adam_run.sample(frac=1.0, random_state=0)  # rows in any order
     steps_written = []
-    original = TensorBoardSink.write
+    original = TensorBoard.write
 
-    def spy(self, step, stats, walltime=None):
-        steps_written.append(step)
-        return original(self, step, stats, walltime)
+    def spy(self, steps):
+        steps_written.append(sorted({s.step for s in steps}))
+        return original(self, steps)
 
-    monkeypatch.setattr(TensorBoardSink, "write", spy)
+    monkeypatch.setattr(TensorBoard, "write", spy)
     writer = FakeWriter()
     assert export_ratios(shuffled, writer) == len(writer.calls) == (4 * 5 + 3) * 5
-    assert steps_written == [0, 1, 2, 3, 4]
+    assert steps_written == [[0], [1], [2], [3], [4]]
     assert [c[0] for c in writer.calls] == sorted(c[0] for c in writer.calls)
     assert not writer.closed and writer.flushed >= 1  # a given writer is flushed, never closed
     assert all(isinstance(v, float) and math.isfinite(v) for _, _, v in writer.calls)
 
 
-STATS = {
-    "fc1.weight": {"update_to_data": -3.25, "grad_to_data": -1.5, "update_norm": 0.01, "grad_norm": 2.0,
-                   "param_norm": 5.0, "lr": 1e-3, "flag": ""},  # extra columns are ignored
-    "opt1:head.bias": {"update_to_data": float("-inf"), "grad_to_data": float("nan"), "update_norm": 0.0,
-                       "grad_norm": float("inf"), "param_norm": np.float32(0.5)},
-    "scale": {"update_to_data": None, "param_norm": torch.tensor(1.25)},  # missing columns
-}
+def steps_at(step):
+    """One step of two optimizers, with extra columns (ignored), non-finite, None and missing values (skipped)."""
+    return [SinkStep(optimizer=0, step=step, wall_time=1.0e9, params={
+                "fc1.weight": {"update_to_data": -3.25, "grad_to_data": -1.5, "update_norm": 0.01, "grad_norm": 2.0,
+                               "param_norm": 5.0, "lr": 1e-3, "flag": ""},
+                "scale": {"update_to_data": None, "param_norm": torch.tensor(1.25)}}),
+            SinkStep(optimizer=1, step=step, wall_time=1.0e9, params={
+                "head.bias": {"update_to_data": float("-inf"), "grad_to_data": float("nan"), "update_norm": 0.0,
+                              "grad_norm": float("inf"), "param_norm": np.float32(0.5)}})]
+
+
+STATS = steps_at(7)
 STATS_EXPECTED = {
     "update_to_data/fc1.weight": [(7, -3.25)], "grad_to_data/fc1.weight": [(7, -1.5)],
     "update_norm/fc1.weight": [(7, 0.01)], "grad_norm/fc1.weight": [(7, 2.0)], "param_norm/fc1.weight": [(7, 5.0)],
@@ -169,9 +175,10 @@ STATS_EXPECTED = {
 
 def test_sink_with_a_user_writer_leaves_it_open(tmp_path):
     writer = SummaryWriter(log_dir=str(tmp_path))
-    sink = TensorBoardSink(writer)
+    sink = TensorBoard(writer)
     assert sink.writer is writer and not sink.owns_writer
-    assert sink.write(7, STATS) == 8  # the NaN / inf / None / missing values are skipped
+    sink.write(STATS)
+    assert sink.written == 8  # the NaN / inf / None / missing values are skipped
     sink.flush()
     sink.close()
     sink.close()
@@ -182,16 +189,17 @@ def test_sink_with_a_user_writer_leaves_it_open(tmp_path):
     assert got.pop("user/own") == [(1, 3.0)]
     assert_same_scalars(got, STATS_EXPECTED)
     with pytest.raises(ValueError, match="closed"):
-        sink.write(8, STATS)
+        sink.write(steps_at(8))
 
 
 def test_sink_with_a_logdir_owns_and_closes_its_writer(tmp_path):
     logdir = tmp_path / "nested" / "logs"
-    with TensorBoardSink(logdir) as sink:  # a pathlib.Path; a str works the same (tested by the export tests)
+    with TensorBoard(logdir) as sink:  # a pathlib.Path; a str works the same (tested by the export tests)
         assert sink.owns_writer and isinstance(sink.writer, SummaryWriter)
-        assert sink.write(7, STATS) == 8
-        assert sink.write(8, {"fc1.weight": {"update_to_data": -3.0}}) == 1
-        assert sink.write(9, {}) == 0
+        sink.write(STATS)
+        sink.write([SinkStep(0, 8, 1.0e9, params={"fc1.weight": {"update_to_data": -3.0}})])
+        sink.write([SinkStep(0, 9, 1.0e9)])
+        assert sink.written == 9
     assert sink.closed and sink.writer.all_writers is None  # closed: the event file is complete
     expected = dict(STATS_EXPECTED, **{"update_to_data/fc1.weight": [(7, -3.25), (8, -3.0)]})
     assert_same_scalars(read_scalars(logdir), expected)
@@ -199,14 +207,14 @@ def test_sink_with_a_logdir_owns_and_closes_its_writer(tmp_path):
 
 def test_float32_overflow_is_skipped_not_written_as_inf():
     writer = FakeWriter()
-    sink = TensorBoardSink(writer)
-    assert sink.write(0, {"w": {"param_norm": 1e300, "grad_norm": 3.0e38}}) == 1
+    sink = TensorBoard(writer)
+    sink.write([SinkStep(0, 0, 1.0e9, params={"w": {"param_norm": 1e300, "grad_norm": 3.0e38}})])
     assert writer.calls == [(0, "grad_norm/w", 3.0e38)]
 
 
 def test_bad_inputs(adam_run, tmp_path):
     with pytest.raises(TypeError, match="SummaryWriter or a log-dir path"):
-        TensorBoardSink(42)
+        TensorBoard(42)
     with pytest.raises(ValueError, match="not a ratios table"):
         export_ratios(adam_run.drop(columns=["step"]), FakeWriter())
     writer = FakeWriter()
@@ -237,10 +245,14 @@ def test_missing_tensorboard_gives_a_clear_import_error(block, adam_run, tmp_pat
     block(monkeypatch)
     # re-import our module with tensorboard gone; monkeypatch puts the original module back afterwards
     monkeypatch.setattr(upd.integrations, "tensorboard", sys.modules["upd.integrations.tensorboard"])
+    monkeypatch.setattr(upd.sinks, "tensorboard", sys.modules["upd.sinks.tensorboard"])
     monkeypatch.delitem(sys.modules, "upd.integrations.tensorboard")
+    monkeypatch.delitem(sys.modules, "upd.sinks.tensorboard")
     import upd.integrations.tensorboard as tb  # importing the module itself never needs tensorboard
+    import upd.sinks.tensorboard as sink_module
 
-    for make in (lambda: tb.TensorBoardSink(tmp_path / "logs"), lambda: tb.export_ratios(adam_run, str(tmp_path))):
+    for make in (lambda: sink_module.TensorBoard(tmp_path / "logs"),
+                 lambda: tb.export_ratios(adam_run, str(tmp_path))):
         with pytest.raises(ImportError) as info:
             make()
         assert INSTALL_HINT in str(info.value) and 'pip install ".[tensorboard]"' in str(info.value)

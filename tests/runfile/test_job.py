@@ -23,7 +23,8 @@ from click.testing import CliRunner
 
 import upd
 from tests.harness.training import MLP, record_run, train_steps
-from upd.analyzer.shard_stats import combine_shard_frames, combine_tensor_stats, scalar_rows, split_column
+from upd.analyzer.shard_stats import scalar_rows, split_column
+from tests.harness.shard_stats import combine_shard_frames, combine_tensor_stats
 from upd.cli.main import main
 from upd.recorder.device_stats import STATS, StepStatistics
 from upd.replay.engine import CHECK_COLUMNS, EXIT_MATCH, EXIT_MISMATCH, EXIT_UNUSABLE

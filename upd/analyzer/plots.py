@@ -24,7 +24,7 @@ import torch  # noqa: E402
 from matplotlib.colors import Normalize  # noqa: E402
 from matplotlib.ticker import MaxNLocator, NullFormatter  # noqa: E402
 
-from ..runfile import schema  # noqa: E402
+from ..runfile import schema, tensor_blocks  # noqa: E402
 from ..safe_text import plot_label  # noqa: E402
 from .summary import FLAGGED_STATUSES, Thresholds, is_weight, model_order_keys  # noqa: E402
 
@@ -340,15 +340,14 @@ def row_sample(p, kind: str, row: int, block_elements: int | None = None) -> np.
     """_sample of one recorded row of a parameter: the same values, read a block of elements (default: verify's
     block) at a time when the row is larger than a block, the strided sample taken from each block where the whole
     row's stride falls: a whole row of a 200 MB weight is never held."""
-    from ..replay.blocks import BLOCK_ELEMENTS, element_blocks  # contiguous runs of elements, in order
 
-    block_elements = block_elements or BLOCK_ELEMENTS
+    block_elements = block_elements or tensor_blocks.BLOCK_ELEMENTS
     if not hasattr(p, "read_part") or p.numel <= block_elements:  # a distributed job's stitched parameter: whole
         return _sample(p.read(kind, row))
 
     stride = max(1, -(-p.numel // HISTOGRAM_SAMPLE))
     parts, start = [], 0
-    for index in element_blocks(p.stored_shape(kind), block_elements):
+    for index in tensor_blocks.element_blocks(p.stored_shape(kind), block_elements):  # contiguous runs, in order
         piece = p.read_part(kind, slice(row, row + 1), index).reshape(-1)
         parts.append(piece[(-start) % stride::stride].double())
         start += piece.numel()

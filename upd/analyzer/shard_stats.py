@@ -23,76 +23,8 @@ import numpy as np
 import pandas as pd
 
 from ..ratios import GRAD_TO_DATA, UPDATE_TO_DATA, grad_to_data, update_to_data
-from ..recorder.device_stats import STATS
-
-STATE_PREFIX = "state."  # kinds "state.<key>": optimizer-state tensors, sharded like the parameter or scalar
-# Longest first: a column "<kind>_<stat>" ends with exactly one of these (stats names hold underscores).
-_STATS_BY_LENGTH = sorted(STATS, key=len, reverse=True)
-
-
-def split_column(column: str) -> tuple[str, str] | None:
-    """("grad", "zero_frac") for "grad_zero_frac"; None for a column that is not "<kind>_<stat>"."""
-    for stat in _STATS_BY_LENGTH:
-        if column.endswith("_" + stat) and len(column) > len(stat) + 1:
-            return column[: -len(stat) - 1], stat
-    return None
-
-
-def _column(stats: dict, stat: str, rows: int) -> np.ndarray:
-    value = stats.get(stat)
-    return np.full(rows, np.nan) if value is None else np.asarray(value, dtype=np.float64)
-
-
-def sufficient(count: int, stats: dict) -> dict:
-    """One shard's sufficient statistics from its recorded ones: {stat: (S,) array} -> {n, mean, m2, sumsq,
-    absmax, zeros, nonfinite}. A missing statistic gives NaN."""
-    rows = len(next(iter(stats.values())))
-    n = float(count)
-    std = _column(stats, "std", rows)
-    norm = _column(stats, "norm", rows)
-    return {"n": n, "mean": _column(stats, "mean", rows),
-            # A one-element shard has no spread of its own (its std is NaN by definition, not by a NaN value).
-            "m2": std * std * (n - 1) if n >= 2 else np.zeros(rows), "sumsq": norm * norm,
-            "absmax": _column(stats, "absmax", rows), "zeros": _column(stats, "zero_frac", rows) * n,
-            "nonfinite": _column(stats, "nonfinite", rows)}
-
-
-def merge(a: dict | None, b: dict) -> dict:
-    """The sufficient statistics of two shards together (Chan et al.'s pairwise update for the spread)."""
-    if a is None:
-        return b
-    n = a["n"] + b["n"]
-    with np.errstate(invalid="ignore"):
-        delta = b["mean"] - a["mean"]
-        return {"n": n, "mean": a["mean"] + delta * (b["n"] / n),
-                "m2": a["m2"] + b["m2"] + delta * delta * (a["n"] * b["n"] / n), "sumsq": a["sumsq"] + b["sumsq"],
-                "absmax": np.maximum(a["absmax"], b["absmax"]),  # NaN from either side stays NaN
-                "zeros": a["zeros"] + b["zeros"], "nonfinite": a["nonfinite"] + b["nonfinite"]}
-
-
-def finish(total: dict | None, rows: int) -> dict:
-    """The recorded statistics (``device_stats.STATS``) of the merged shards; all NaN when no shard had elements."""
-    if total is None or total["n"] == 0:
-        return {stat: np.full(rows, np.nan) for stat in STATS}
-    n = total["n"]
-    with np.errstate(invalid="ignore", divide="ignore"):
-        return {"mean": total["mean"], "std": np.sqrt(total["m2"] / (n - 1)) if n >= 2 else np.full(rows, np.nan),
-                "norm": np.sqrt(total["sumsq"]), "absmax": total["absmax"], "zero_frac": total["zeros"] / n,
-                "nonfinite": total["nonfinite"]}
-
-
-def combine_tensor_stats(counts, stats: dict) -> dict:
-    """The statistics of the concatenation of shards, from each shard's.
-
-    counts: (H,) elements of each shard (0 for an empty shard, which contributes nothing). stats: {stat: (H, S)
-    array} with the names of ``device_stats.STATS``; returns {stat: (S,) array}. NaN in a shard's statistic (NaN/Inf
-    values, a count not taken) makes the combined statistic NaN, as it is on the whole tensor."""
-    rows = np.asarray(next(iter(stats.values()))).shape[1]
-    total = None
-    for i, count in enumerate(counts):
-        if count > 0:
-            total = merge(total, sufficient(int(count), {k: np.asarray(v)[i] for k, v in stats.items()}))
-    return finish(total, rows)
+from ..statistics import STATE_PREFIX, STD, NONFINITE, finish, merge, split_column, sufficient
+from ..statistics import _values as _column
 
 
 def scalar_rows(counts, stats: dict) -> np.ndarray:
@@ -154,7 +86,7 @@ class ShardCombiner:
             self.first.setdefault(kind, stats)
             self.totals[kind] = merge(self.totals.get(kind), sufficient(count, stats))
             if count >= 2:
-                spread = np.isnan(_column(stats, "std", rows)) & (_column(stats, "nonfinite", rows) == 0)
+                spread = np.isnan(_column(stats, STD, rows)) & (_column(stats, NONFINITE, rows) == 0)
                 self.no_spread[kind] = self.no_spread.get(kind, np.ones(rows, dtype=bool)) & spread
                 self.multi[kind] = np.ones(rows, dtype=bool)
 
@@ -180,14 +112,3 @@ class ShardCombiner:
             frame[GRAD_TO_DATA] = grad_to_data(frame["grad_std"].to_numpy() if "grad_std" in frame else nan,
                                                param_std)
         return frame[[c for c in ["step"] + self.columns if c in frame]]
-
-
-def combine_shard_frames(shards: list[tuple[int, pd.DataFrame]]) -> pd.DataFrame:
-    """One parameter's statistics rows combined over its shards: (element count, rows) each, at the steps all have."""
-    if not shards:
-        return pd.DataFrame(columns=["step", "lr"])
-    steps = shards[0][1]["step"].to_numpy()
-    combiner = ShardCombiner(np.unique(steps))
-    for count, frame in shards:
-        combiner.add(count, frame)
-    return combiner.frame()

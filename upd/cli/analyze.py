@@ -18,7 +18,8 @@ from ..integrations.tensorboard import INSTALL_HINT, export_tables
 from ..replay import ReplayRuleError
 from ..replay.engine import verify as verify_run
 from ..runfile.reader import frozen_params, open_run
-from ..outputs import write_csv
+from ..sinks.export import export_to_tracker, tracker_problem
+from ..outputs import derived_folder, input_files, refuse_inputs, write_csv
 from ..safe_text import terminal_safe, terminal_safe_frame
 from .common import RUN_ARG, fail
 from .verify import report_text
@@ -93,7 +94,14 @@ def make_folder(path: str, option: str) -> None:
 @click.option("--tensorboard", "tb_dir", type=click.Path(file_okay=False), default=None,
               help="Also export the ratios and norms as TensorBoard scalars to this log dir "
                    "(needs the tensorboard extra).")
-def analyze(run, out_dir, csv_path, html_path, with_verify, high, low, hist_step, all_params, no_plots, tb_dir):
+@click.option("--wandb", "to_wandb", is_flag=True,
+              help="Also export the ratios, norms and logged scalars to a new W&B run (WANDB_PROJECT, WANDB_MODE "
+                   "and the other WANDB_* variables apply; needs the wandb extra).")
+@click.option("--mlflow", "to_mlflow", is_flag=True,
+              help="Also export them to a new MLflow run (MLFLOW_TRACKING_URI, else ./mlflow.db; "
+                   "MLFLOW_EXPERIMENT_NAME; needs the mlflow extra).")
+def analyze(run, out_dir, csv_path, html_path, with_verify, high, low, hist_step, all_params, no_plots, tb_dir,
+            to_wandb, to_mlflow):
     """Compute update:data and grad:data ratios for every parameter and step of RUN.
 
     Prints one line per parameter, in model order: log10(std(update)/std(weight)) and log10(std(grad)/std(weight))
@@ -108,11 +116,15 @@ def analyze(run, out_dir, csv_path, html_path, with_verify, high, low, hist_step
         fail(str(exc))
     if tb_dir and (problem := tensorboard_problem()):
         fail(problem)
+    trackers = [name for name, wanted in (("wandb", to_wandb), ("mlflow", to_mlflow)) if wanted]
+    for problem in filter(None, map(tracker_problem, trackers)):
+        fail(problem)
     for path, option in ((csv_path, "--csv"), (html_path, "--html")):
         if path:
             make_parent(path, option)
     if out_dir is None and not no_plots:
-        out_dir = os.path.splitext(run)[0] + "-analysis"
+        out_dir = derived_folder(run, "-analysis")
+    refuse_inputs([csv_path, html_path, out_dir and os.path.join(out_dir, SUMMARY_CSV)], input_files([run]))
     with open_run(run) as r:
         if out_dir is not None:
             make_folder(out_dir, "--out")
@@ -143,6 +155,11 @@ def analyze(run, out_dir, csv_path, html_path, with_verify, high, low, hist_step
     if tb_dir:
         count = export_tables(result.ratios, scalars, tb_dir)
         click.echo(f"TensorBoard: {count} scalars in {tb_dir}/ (tensorboard --logdir {tb_dir})")
+    for tracker in trackers:
+        try:
+            click.echo(terminal_safe(export_to_tracker(tracker, result.ratios, scalars, os.path.basename(run))))
+        except Exception as exc:  # the tracker's own refusal (no login, a server that does not answer): one line
+            fail(f"--{tracker}: the export failed ({type(exc).__name__}: {exc})")
     if html_path:
         write_report(html_path, result, description, thresholds=thresholds, notes=notes, verify_report=report)
         click.echo(f"report: {html_path}")

@@ -13,6 +13,7 @@ import click
 from ..analyzer.compare import QUANTITIES, TABLE_CSV, compare as compare_runs, format_comparison
 from ..analyzer.summary import Thresholds
 from .analyze import make_folder
+from ..outputs import derived_folder, input_files, refuse_inputs
 from ..safe_text import terminal_safe, terminal_safe_frame
 from .common import fail
 
@@ -52,8 +53,9 @@ def compare(runs, labels, out_dir, quantity, high, low, all_params, no_plots):
     except ValueError as exc:
         fail(str(exc))
     if out_dir is None and not no_plots:
-        out_dir = os.path.splitext(runs[0])[0] + "-compare"
+        out_dir = derived_folder(runs[0], "-compare")
     if out_dir is not None:
+        refuse_inputs([os.path.join(out_dir, TABLE_CSV)], input_files(runs))
         make_folder(out_dir, "--out")
     comparison = compare_runs(list(runs), list(labels) or None, out_dir=out_dir, plots=not no_plots,
                               thresholds=thresholds, all_params=all_params)

@@ -9,6 +9,7 @@ import sys
 import click
 
 from ..launcher import env
+from ..recorder import options
 from ..recorder.options import check_record_options
 from ..runfile import schema
 from .common import fail
@@ -79,37 +80,49 @@ class _RecordCommand(click.Command):
         return ["RUN", "[OPTIONS]", "--", "COMMAND", "[ARGS]..."]
 
 
+def _flag(field) -> click.Option:
+    """The launcher's flag for one of upd.record's options (upd.recorder.options): its kind says what it takes."""
+    meta = field.metadata
+    name, flag, kind = field.name, "--" + field.name.replace("_", "-"), field.metadata["kind"]
+    common = dict(help=meta["help"], metavar=meta["metavar"] or None)
+    if kind == options.STEPS_OR_NEVER:
+        return click.Option([flag], type=_Never(), default="never" if field.default is None else str(field.default),
+                            show_default=True, **common)
+    if kind == options.COUNT:
+        return click.Option([flag], type=int, default=None, **common)  # checked by upd.record's own checks
+    if kind == options.FACTOR:
+        return click.Option([flag], type=float, default=field.default, show_default=True, **common)
+    if kind == options.GLOBS:
+        return click.Option([flag], multiple=True, **common)
+    if kind == options.CHOICES:
+        return click.Option([flag], multiple=True, type=click.Choice(meta["choices"]), **common)
+    if kind == options.CHOICE:
+        return click.Option([flag], type=click.Choice(meta["choices"]), default=field.default,
+                            show_default=field.default is not None, **common)
+    if kind == options.LOG_DIR:
+        return click.Option([flag], type=click.Path(file_okay=False, path_type=str), default=None, **common)
+    if kind == options.RANKS:
+        return click.Option([flag], type=_Ranks(), default="auto", show_default=True, **common)
+    if kind == options.FLAG:
+        return click.Option([flag], is_flag=True, **common)
+    raise AssertionError(f"option {name}: no flag for a value of kind {kind!r}")
+
+
+# One flag per option upd.record takes from a command line, in the options' order.
+FLAGS = [field for field in options.fields() if field.metadata["kind"] != options.PYTHON_ONLY]
+
+
+def _with_flags(command):
+    for field in reversed(FLAGS):
+        command.params.insert(1, _flag(field))  # after RUN
+    return command
+
+
+@_with_flags
 @click.command(cls=_RecordCommand, epilog=EXIT_CODES)
 @click.argument("run", type=click.Path(dir_okay=False, path_type=str))
-@click.option("--every", type=_Never(), default="1", show_default=True,
-              help="Full tensors every N-th optimizer step ('never': statistics or flight recorder only).")
-@click.option("--stats-every", type=_Never(), default="never", show_default=True,
-              help="Summary statistics every N-th step.")
-@click.option("--stats-sample", type=int, default=None, metavar="K",
-              help="Estimate the statistics of each tensor of more than K elements from K of them (default: exact).")
-@click.option("--include", multiple=True, metavar="GLOB", help="Record only parameters whose name matches (repeatable).")
-@click.option("--exclude", multiple=True, metavar="GLOB", help="Skip parameters whose name matches (repeatable).")
-@click.option("--what", multiple=True, type=click.Choice(schema.WHAT_CHOICES),
-              help="What to store per parameter (repeatable; default all three).")
-@click.option("--dtype", type=click.Choice(schema.STORAGE_DTYPES), default="keep", show_default=True,
-              help="Storage dtype of the full tensors.")
-@click.option("--compression", type=click.Choice(["gzip", "lzf"]), default=None, help="HDF5 compression.")
-@click.option("--tensorboard", type=click.Path(file_okay=False, path_type=str), default=None, metavar="DIR",
-              help="Write live update:data and grad:data scalars to this TensorBoard log dir.")
-@click.option("--zero-counts", multiple=True, type=click.Choice(["param", "grad", "update", "state"]),
-              help="Whose fraction of zeros the statistics count (repeatable; default grad).")
-@click.option("--flight-recorder", type=click.IntRange(min=1), default=None, metavar="K",
-              help="Keep the last K steps in memory; write them on a NaN/Inf or a norm spike.")
-@click.option("--spike-factor", type=float, default=10.0, show_default=True,
-              help="Flight recorder: a norm this many times its recent median is a spike.")
-@click.option("--ranks", type=_Ranks(), default="auto", show_default=True,
-              help="Distributed jobs: which ranks record.")
-@click.option("--overwrite", is_flag=True, help="Replace RUN and all its files (parts, rank files) first.")
-@click.option("--resume", is_flag=True, help="Append to RUN (training restarted from a checkpoint).")
-@click.option("--strict", is_flag=True, help="A recorder error stops the program instead of the recording.")
 @click.pass_context
-def record(ctx, run, every, stats_every, stats_sample, include, exclude, what, dtype, compression, tensorboard,
-           zero_counts, flight_recorder, spike_factor, ranks, overwrite, resume, strict):
+def record(ctx, run, **given):
     """Record every torch.optim optimizer that COMMAND creates into RUN, without editing COMMAND.
 
     \b
@@ -164,15 +177,19 @@ def record(ctx, run, every, stats_every, stats_sample, include, exclude, what, d
     command = ctx.meta.get(_COMMAND) or []
     if not command:
         fail("no command to record: put it after --, as in: upd record runs/x.h5 -- python train.py")
+    overwrite, resume = given["overwrite"], given["resume"]
     if overwrite and resume:
         fail("pass --overwrite or --resume, not both")
-    options = {"every": every, "stats_every": stats_every, "stats_sample": stats_sample, "include": list(include),
-               "exclude": list(exclude),
-               "what": list(what or schema.WHAT_CHOICES), "dtype": dtype, "compression": compression,
-               "tensorboard": os.path.abspath(tensorboard) if tensorboard else None,
-               "zero_counts": list(zero_counts or ("grad",)), "flight_recorder": flight_recorder,
-               "spike_factor": spike_factor, "ranks": ranks, "resume": resume, "strict": strict}
-    check_options(options)
+    chosen = {name: list(value) if isinstance(value, tuple) else value for name, value in given.items()
+              if name != "overwrite"}
+    # A repeatable flag not given means the option's default; the log dir is the one the user's shell meant.
+    for field in FLAGS:
+        if field.metadata["kind"] == options.CHOICES and not chosen[field.name]:
+            chosen[field.name] = list(field.default)
+    if chosen["tensorboard"]:
+        chosen["tensorboard"] = os.path.abspath(chosen["tensorboard"])
+    options_given = chosen
+    check_options(options_given)
     existing = env.run_files(run)
     if existing and not (overwrite or resume):
         fail(f"{run} already holds a run ({', '.join(os.path.basename(f) for f in existing)}); pass --overwrite to "
@@ -183,7 +200,7 @@ def record(ctx, run, every, stats_every, stats_sample, include, exclude, what, d
                 os.remove(path)
             except OSError as exc:
                 fail(f"cannot remove {path} for --overwrite: {exc.strerror or exc}")
-    run_command(command, env.child_environment(run, options))
+    run_command(command, env.child_environment(run, options_given))
 
 
 def check_options(options: dict) -> None:

@@ -23,13 +23,13 @@ from typing import Callable, Sequence
 import numpy as np
 import torch
 
-from ..ratios import GRAD_TO_DATA, UPDATE_TO_DATA, grad_to_data, update_to_data
+from ..ratios import grad_to_data, update_to_data
 from ..runfile.stats_table import StatsRows
+from ..statistics import GRAD_TO_DATA, LEAN_COLUMNS, LEAN_KINDS, LEAN_STATS, STATS, UPDATE_TO_DATA
+from .snapshots import SPARSE_LAYOUTS, dense, local_part, wait_for_copies
 
 # Statistics of one tensor, in this order (columns "<kind>_<stat>" in the run file).
-STATS = ("mean", "std", "norm", "absmax", "zero_frac", "nonfinite")
 NONFINITE = STATS.index("nonfinite")
-SPARSE_LAYOUTS = (torch.sparse_coo, torch.sparse_csr, torch.sparse_csc, torch.sparse_bsr, torch.sparse_bsc)
 
 # Below this size the exact two-pass std is cheap; above it the one-pass form (sum and sum of squares) saves two
 # passes over memory. One-pass loses precision only when |mean| >> std, which large weight matrices, gradients,
@@ -210,12 +210,36 @@ class StepStatistics:
                recount: Callable[[], list] | None = None) -> None:
         """Launch the statistics of `tensors`. `recount` gives, at read time, the tensors in which a flagged NaN/Inf
         is counted (None for one no longer available); by default these same tensors, held until then."""
-        from .snapshots import wait_for_copies  # a full step's statistics read the host copies: they must be there
-
-        wait_for_copies()
+        wait_for_copies()  # a full step's statistics read the host copies: they must be there
         self._rows.append(stats_rows(tensors, [kind.split(".")[0] in self._zero_counts for _, kind in keys]))
         self._keys += keys
         self._recount.append(tensors if recount is None else recount)
+
+    def after_step(self, step) -> dict[str, dict[str, float]]:
+        """The engine protocol (``engines.StatisticsEngine``): launch what needs the step's result (updates, and at
+        a full step the statistics of the CPU copies the record stores), then read everything."""
+        keys, tensors, update_keys, updates = [], [], [], []
+        for tracked in step.params:
+            snap, live = tracked.snapshot, tracked.live  # live: the parameter itself, after the step
+            if step.record.full:  # statistics of the CPU copies taken for the full record
+                before = snap.param
+                kinds = {"param": snap.param, "grad": snap.grad, **{f"state.{k}": v for k, v in snap.state.items()}}
+            else:
+                before = tracked.before
+                kinds = {"param": before}
+                if step.closure and live.grad is not None:  # step(closure): the gradient of the last call
+                    kinds["grad"] = local_part(live.grad)
+            for kind, t in kinds.items():
+                if t is not None:
+                    keys.append((snap.name, kind))
+                    tensors.append(t)
+            if before is not None:
+                after = local_part(live.detach())
+                updates.append((dense(after).to("cpu") if step.record.full else after) - before)
+                update_keys.append((snap.name, "update"))
+        self.launch(keys, tensors)
+        self.launch(update_keys, updates)
+        return self.read()
 
     def read(self) -> dict[str, dict[str, float]]:
         """Everything launched, on the host, with update:data and grad:data per parameter."""
@@ -237,8 +261,6 @@ class StepStatistics:
 
 
 # -- the lean set: the default at every statistics step ------------------------------------------------------------
-LEAN_KINDS = ("param", "grad", "update")
-LEAN_STATS = ("mean", "std", "norm", "nonfinite")  # of each of LEAN_KINDS (names as in STATS)
 
 # Tensors of up to this many elements are reduced together from one flat buffer: a per-tensor reduction would cost
 # its dispatch (a few microseconds) and not its bytes. Larger ones get their own sum and norm, each in one pass.
@@ -343,7 +365,6 @@ class SnapshotPool:
 
 
 # The lean set's columns, in the order LeanStep.read fills each parameter's row.
-LEAN_COLUMNS = tuple(f"{kind}_{stat}" for kind in LEAN_KINDS for stat in LEAN_STATS) + (UPDATE_TO_DATA, GRAD_TO_DATA)
 
 
 class LeanStep:
@@ -416,8 +437,11 @@ class LeanStep:
     def _after(self) -> list[torch.Tensor]:
         if self.params is self.live:
             return self.live
-        local_part = _local_part()
         return [local_part(q.detach()) for q in self.live]
+
+    def after_step(self, step) -> dict[str, dict[str, float]]:
+        """The engine protocol: what needs the step's result, ``read`` launches and reads with the rest."""
+        return self.read()
 
     def read(self) -> dict[str, dict[str, float]]:
         parts = self.launch_after()
@@ -525,9 +549,3 @@ def _accumulation(t: torch.Tensor) -> torch.dtype:
     """The dtype a large tensor's sum and norm accumulate in: float32, or float64 for a float64 tensor
     (vector_norm refuses to narrow)."""
     return torch.float64 if t.dtype == torch.float64 else torch.float32
-
-
-def _local_part():
-    """snapshots.local_part (a DTensor's local part), imported late: snapshots imports this module."""
-    from .snapshots import local_part
-    return local_part

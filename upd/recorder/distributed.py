@@ -3,9 +3,9 @@ parallelism the job uses.
 
 The same ``upd.record(path, ...)`` call runs on every rank. Each recording rank writes its own file (named by
 ``upd.runfile.ranks``), so no rank waits on another and no collective enters the training step; everything here is
-decided locally from the process group, the model and the optimizer. The one exception is opt-in: ``tensorboard=``
-in a job whose ranks each hold a part of the model joins one small all-reduce per statistics step
-(``tensorboard_role``, ``job_scalars``). Replicated training (DDP, or a model copied to every rank) records on
+decided locally from the process group, the model and the optimizer. The one exception is opt-in: live sinks
+(``sinks=``, ``tensorboard=``) in a job whose ranks each hold a part of the model join one small all-reduce per
+statistics step (``sink_role``, ``job_scalars``). Replicated training (DDP, or a model copied to every rank) records on
 rank 0 alone by default, into ``path`` itself: the replicas are identical.
 """
 from __future__ import annotations
@@ -18,6 +18,7 @@ import torch
 
 from ..runfile import schema
 from ..runfile.ranks import rank_files, rank_path
+from ..sinks.feed import SINKS_JOB, SINKS_NONE, SINKS_OWN
 from .snapshots import dtensor_class
 
 
@@ -178,29 +179,25 @@ def setup(path: str, model, optimizers, ranks) -> RankSetup | None:
                      parallelism=parallelism(model, optimizers), job_path=os.fspath(path), split=split)
 
 
-# Who writes live TensorBoard scalars (upd.record(..., tensorboard=)), see tensorboard_role.
-TB_OWN, TB_JOB, TB_NONE = "own", "job", "none"
-
-
-def tensorboard_role(rank_setup: RankSetup | None) -> str:
-    """This rank's part in ``tensorboard=``: TB_OWN, it writes its own statistics (they are the whole
-    parameters': one process, or the writing rank of replicated training: rank 0 when every replica records);
-    TB_JOB, every rank of a split job joins one all-reduce per statistics step and rank 0 writes the combined
-    statistics (``job_scalars``); TB_NONE, it writes nothing.
+def sink_role(rank_setup: RankSetup | None) -> str:
+    """This rank's part in the live sinks (``sinks=``, ``tensorboard=``): SINKS_OWN, it feeds its sinks its own
+    statistics (they are the whole parameters': one process, or the writing rank of replicated training: rank 0
+    when every replica records); SINKS_JOB, every rank of a split job joins one all-reduce per statistics step and
+    rank 0 feeds its sinks the combined statistics (``job_scalars``); SINKS_NONE, it feeds none.
 
     ValueError when a split job records on one rank only: its shards' statistics are not the parameters'."""
     if rank_setup is None:
-        return TB_OWN
+        return SINKS_OWN
     if rank_setup.split:
         if rank_setup.recording_ranks != schema.ALL_RANKS:
-            raise ValueError(f"tensorboard= needs every rank of this job recording (ranks=None or 'all'): each rank "
-                             f"holds a part of the model, and rank {rank_setup.recording_ranks[0]}'s parts alone "
-                             "do not give the parameters' ratios")
-        return TB_JOB
+            raise ValueError(f"live sinks (sinks=, tensorboard=) need every rank of this job recording (ranks=None "
+                             f"or 'all'): each rank holds a part of the model, and rank "
+                             f"{rank_setup.recording_ranks[0]}'s parts alone do not give the parameters' ratios")
+        return SINKS_JOB
     if not rank_setup.records:
-        return TB_NONE
+        return SINKS_NONE
     writer = 0 if rank_setup.recording_ranks == schema.ALL_RANKS else rank_setup.recording_ranks[0]
-    return TB_OWN if rank_setup.rank == writer else TB_NONE
+    return SINKS_OWN if rank_setup.rank == writer else SINKS_NONE
 
 
 def counts_toward_whole(tensor, rank_setup: RankSetup) -> bool:

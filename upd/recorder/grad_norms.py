@@ -17,7 +17,8 @@ from collections import defaultdict
 
 import torch
 
-SPARSE_LAYOUTS = (torch.sparse_coo, torch.sparse_csr, torch.sparse_csc, torch.sparse_bsr, torch.sparse_bsc)
+from .snapshots import SPARSE_LAYOUTS
+
 
 # Gradients of up to this many elements are copied into one float64 buffer and reduced with one norm: a norm per
 # small tensor costs its dispatch (4 us each on CPU, _foreach_norm included), a copy a third of that.

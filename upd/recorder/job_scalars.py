@@ -1,11 +1,11 @@
-"""Live TensorBoard scalars of a job whose ranks each hold a part of the model (FSDP2 shards, ZeRO partitions).
+"""Live statistics (for the sinks) of a job whose ranks each hold a part of the model (FSDP2 shards, ZeRO partitions).
 
 A shard's update:data ratio is not its parameter's, so no rank can write the parameter's scalars from its own
 statistics. At each statistics step every recording rank adds the sufficient statistics of its parts (element count,
-sum, spread, sum of squares: the identities of ``upd.analyzer.shard_stats``) into one small float64 tensor, in a
+sum, spread, sum of squares: the merge rules of ``upd.statistics``) into one small float64 tensor, in a
 parameter order every rank derives alike from the job's optimizers; ONE all-reduce (a sum) combines them, and rank 0
 turns the sums into the whole tensors' stds and norms, then the ratios (``upd.ratios``), and writes them. Nothing
-else is communicated, and without ``tensorboard=`` none of this runs.
+else is communicated, and without live sinks (``sinks=``, ``tensorboard=``) none of this runs.
 
 The all-reduce sits in the optimizer's post-step hook, so it must never hang training. Every rank counts the
 optimizer's steps itself, from the step counter in the optimizer's state onwards, whatever happens to its recorder,
@@ -22,13 +22,12 @@ from typing import Callable
 import numpy as np
 import torch
 
-from ..analyzer.shard_stats import finish, sufficient
-from ..integrations.tensorboard import TAGS
-from ..ratios import GRAD_TO_DATA, UPDATE_TO_DATA, grad_to_data, update_to_data
-from .device_stats import STATS
+from ..ratios import grad_to_data, update_to_data
+from ..statistics import (ABSMAX, GRAD, GRAD_TO_DATA, LEAN_KINDS, LIVE_COLUMNS, MEAN, NONFINITE, NORM, PARAM, STATS,
+                          STD, UPDATE, UPDATE_TO_DATA, ZERO_FRAC, column, finish, sufficient)
 
-# The tensors whose statistics the TensorBoard TAGS are made of (ratios and norms of these, nothing else).
-KINDS = ("param", "grad", "update")
+# The tensors whose statistics the sinks' LIVE_COLUMNS are made of (ratios and norms of these, nothing else).
+KINDS = LEAN_KINDS
 # What a rank adds per parameter and kind, summed over ranks (a rank holding no part adds zeros): element count,
 # sum, the part's own spread m2 = std^2 (n - 1), "between" = n mean^2, and the sum of squares. Summed, "between" minus
 # sum^2 / n is the spread of the parts' means around the whole's (Chan et al.'s term), kept apart from m2 so that
@@ -40,7 +39,7 @@ FIELDS = ("n", "sum", "m2", "between", "sumsq")
 class Slot:
     """One parameter's place in the all-reduced tensor: the same on every rank."""
 
-    name: str  # as TensorBoard tags it ("opt1:" prefixed for optimizer 1 and up)
+    name: str  # as the sinks get it (the recorder passes the recorded name: the SinkStep says which optimizer)
     recorded: str  # as the recorder names it in its statistics
 
 
@@ -60,7 +59,7 @@ def summable(counts, stats: dict) -> np.ndarray:
     """(P, len(FIELDS)): what a rank adds for P parts of one kind, from their recorded statistics.
 
     counts: (P,) elements each part's statistics were taken over (0: not this rank's to add). stats: {stat: (P,)}
-    with the names of ``device_stats.STATS``; a NaN statistic of a counted part makes the sums NaN, as a NaN/Inf
+    with the names of ``upd.statistics.STATS``; a NaN statistic of a counted part makes the sums NaN, as a NaN/Inf
     makes the whole tensor's statistics NaN."""
     counts = np.asarray(counts, dtype=np.int64)
     stats = {k: np.asarray(v, dtype=np.float64) for k, v in stats.items()}
@@ -68,7 +67,7 @@ def summable(counts, stats: dict) -> np.ndarray:
     def rows_of(count, mask):
         s = sufficient(count, {k: v[mask] for k, v in stats.items()})
         n = np.full(int(mask.sum()), s["n"])
-        return np.stack([n, s["mean"] * n, s["m2"], s["mean"] * s["mean"] * n, s["sumsq"]], axis=1)
+        return np.stack([n, s[MEAN] * n, s[STD], s[MEAN] * s[MEAN] * n, s[NORM]], axis=1)
     return _per_count(counts, len(FIELDS), rows_of)
 
 
@@ -82,9 +81,9 @@ def whole(totals: np.ndarray) -> dict:
         spread = m2 + np.maximum(between - total * mean, 0.0)
 
     def rows_of(count, mask):
-        done = finish({"n": float(count), "mean": mean[mask], "m2": spread[mask], "sumsq": sumsq[mask],
-                       "absmax": np.nan, "zeros": np.nan, "nonfinite": np.nan}, int(mask.sum()))
-        return np.stack([done["std"], done["norm"]], axis=1)
+        done = finish({"n": float(count), MEAN: mean[mask], STD: spread[mask], NORM: sumsq[mask],
+                       ABSMAX: np.nan, ZERO_FRAC: np.nan, NONFINITE: np.nan}, int(mask.sum()))
+        return np.stack([done[STD], done[NORM]], axis=1)
     counted = n.astype(np.int64)
     out = _per_count(counted, 2, rows_of)
     out[counted == 0] = np.nan  # no element anywhere: no statistic (finish says the same for n = 0)
@@ -104,13 +103,13 @@ def contribution(slots: list[Slot], parts: dict) -> np.ndarray:
 
 
 def scalars(slots: list[Slot], summed: np.ndarray) -> dict[str, dict[str, float]]:
-    """{tag name: {column of TAGS: value}} of the whole parameters, from the all-reduced sums."""
+    """{slot name: {column of LIVE_COLUMNS: value}} of the whole parameters, from the all-reduced sums."""
     block = np.asarray(summed, dtype=np.float64).reshape(len(slots), len(KINDS), len(FIELDS))
     kinds = {kind: whole(block[:, k, :]) for k, kind in enumerate(KINDS)}
-    columns = {UPDATE_TO_DATA: update_to_data(kinds["update"]["std"], kinds["param"]["std"]),
-               GRAD_TO_DATA: grad_to_data(kinds["grad"]["std"], kinds["param"]["std"]),
-               **{f"{kind}_norm": kinds[kind]["norm"] for kind in KINDS}}
-    return {slot.name: {tag: float(columns[tag][i]) for tag in TAGS} for i, slot in enumerate(slots)}
+    columns = {UPDATE_TO_DATA: update_to_data(kinds[UPDATE]["std"], kinds[PARAM]["std"]),
+               GRAD_TO_DATA: grad_to_data(kinds[GRAD]["std"], kinds[PARAM]["std"]),
+               **{column(kind, NORM): kinds[kind]["norm"] for kind in KINDS}}
+    return {slot.name: {column: float(columns[column][i]) for column in LIVE_COLUMNS} for i, slot in enumerate(slots)}
 
 
 def collective_device() -> torch.device:

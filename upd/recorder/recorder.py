@@ -8,32 +8,35 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import inspect
 import os
 import platform
 import sys
 import time
 import warnings
-from typing import Sequence
 
 import torch
 
 from .. import __version__, lifetime
-from ..integrations.tensorboard import TensorBoardSink
 from ..runfile import encoding, schema
 from ..runfile.async_writer import AsyncRunWriter
 from ..runfile.record import ParamSnapshot, Record, ShardLayout, param_meta
+from ..sinks.base import SinkStep
+from ..sinks.feed import SINKS_JOB, SINKS_OWN, SinkFeed, close_unused, sink_problem
+from ..sinks.tensorboard import TensorBoard
 from . import distributed, job_scalars
 from .device_stats import LeanStep, SnapshotPool, StepStatistics, element_count, lean_applies
+from .engines import LEAN, SAMPLED, StatisticsEngine, statistics_set
 from .flight_recorder import FlightRecorder
 from .grad_norms import TotalNorm, queue_after_backward, total_norm
 from .logged_scalars import HOST_BATCH_STEPS, kept, name_problem, scalar_problem, to_host
 from .job_scalars import JobScalars, Slot
-from .options import check_record_options
+from .options import RecordOptions, record_signature
 from .naming import ParamNames, is_selected, model_names, named_parameters, patterns, uncompiled
 from .resume import has_step_counter, initial_step, resume_problems, truncation_text
 from .sampled_stats import SampledPool, SampledStep
-from .snapshots import (cpu_copy, dense, dtensor_class, hparams_snapshot, local_part, refuse_unlike_param,
-                        shard_layout, state_snapshot)
+from .snapshots import (cpu_copy, dtensor_class, hparams_snapshot, local_part, refuse_unlike_param,
+                        shard_layout, state_snapshot, wait_for_copies)
 
 
 def eager(hook):
@@ -64,7 +67,7 @@ class _StepInProgress:
     params: list[_TrackedParam]
     selected: bool  # chosen by every= (with a flight recorder, full snapshots are kept for other steps too)
     closure: bool  # step(closure): the gradient exists only inside the step
-    stats: StepStatistics | LeanStep | None  # a statistics step: some launched before the step, the rest after it
+    stats: StatisticsEngine | None  # a statistics step: some launched before the step, the rest after it
     stats_meta: dict | None = None  # the statistics' parameter metadata, when known before the step (_LeanPlan)
 
 
@@ -87,22 +90,19 @@ class Recorder:
     Use ``upd.record(...)`` to make one. See its docstring for the options.
     """
 
-    def __init__(self, path, model=None, optimizer=None, *, every: int | None = 1, stats_every: int | None = None,
-                 include=None, exclude=None, what: Sequence[str] = schema.WHAT_CHOICES, dtype: str = "keep",
-                 compression=None, tensorboard=None, zero_counts: Sequence[str] = ("grad",),
-                 full_stats_every: int | None = 100,
-                 flight_recorder: int | None = None,
-                 spike_factor: float = 10.0, overwrite: bool = False, resume: bool = False, strict: bool = False,
-                 ranks=None, stats_sample: int | None = None):
-        check_record_options(every=every, stats_every=stats_every, full_stats_every=full_stats_every,
-                             flight_recorder=flight_recorder, spike_factor=spike_factor, what=what, dtype=dtype,
-                             compression=compression, zero_counts=zero_counts, tensorboard=tensorboard,
-                             stats_sample=stats_sample,
-                             overwrite=overwrite, resume=resume)
-        if tensorboard is not None and stats_every is None:
-            stats_every = 1  # TensorBoard scalars come from the statistics: log them at every step
-        what = (what,) if isinstance(what, str) else tuple(what)
-        zero_counts = (zero_counts,) if isinstance(zero_counts, str) else tuple(zero_counts)
+    def __init__(self, path, model=None, optimizer=None, **options):
+        opts = RecordOptions.of_call(options)  # TypeError for an option that does not exist, ValueError for a bad value
+        for sink in opts.sinks:
+            problem = sink_problem(sink)
+            if problem:
+                raise TypeError(f"sinks= takes objects with write(steps) and close() (upd.sinks.Sink): {problem}")
+        every, stats_every, full_stats_every, stats_sample = (opts.every, opts.stats_every, opts.full_stats_every,
+                                                              opts.stats_sample)
+        flight_recorder, spike_factor, strict, ranks = opts.flight_recorder, opts.spike_factor, opts.strict, opts.ranks
+        what, zero_counts, dtype, compression = opts.what, opts.zero_counts, opts.dtype, opts.compression
+        overwrite, resume, tensorboard, sinks = opts.overwrite, opts.resume, opts.tensorboard, list(opts.sinks)
+        if opts.live() and stats_every is None:
+            stats_every = 1  # live values come from the statistics: at every step
 
         # An inactive recorder from here on: everything below that cannot record returns it as it is (one
         # RecorderWarning, no hooks, no file), so that setup never breaks the training either.
@@ -118,7 +118,9 @@ class Recorder:
         self.active = False
         self.error: BaseException | None = None
         self._flight: FlightRecorder | None = None  # made with the writer it dumps to
-        self._tensorboard = None  # the sink this rank writes to
+        self._sinks: SinkFeed | None = None  # the sinks this process feeds (sink_role)
+        self._given_sinks = sinks  # closed with the recorder, fed or not
+        self._live_rows: dict[int, list] = {}  # a split job's rank 0: scalar rows on the host, for the sinks
         self._handles = []
         self._pending: dict[int, _StepInProgress] = {}
         self._stats_pools: dict[int, SnapshotPool] = {}  # optimizer -> the lean statistics' snapshot buffers
@@ -141,22 +143,7 @@ class Recorder:
             raise IsADirectoryError(f"{self.path} is a directory; upd.record writes one file: pass a file path, "
                                     f"e.g. {os.path.join(self.path, 'run.h5')}")
         try:
-            if optimizer is None and model is not None and _is_optimizer(model):
-                raise TypeError("the optimizer was passed as the model (upd.record's second argument); write "
-                                "upd.record(path, model, optimizer), or upd.record(path, "
-                                f"optimizer={_call_name(model)}) without a model")
-            # Wrappers (Accelerate, Lightning) are looked through here; DDP and ZeRO by `distributed`, which
-            # needs to see them to decide which ranks record.
-            job_optimizers = attachable_optimizers(optimizer)
-            model = attachable_model(model)
-            # In a distributed job: which ranks record, into which file. Decided from the wrappers the user passed
-            # (DDP, ZeRO), then recording looks through them: names from the wrapped model, hooks on the optimizer
-            # that steps this rank's parameters.
-            self.rank_setup = distributed.setup(path, model, job_optimizers, ranks)
-            model = uncompiled(distributed.unwrap_model(model))
-            optimizers = [distributed.local_optimizer(opt) for opt in job_optimizers]
-            for opt in optimizers:
-                check_hookable(opt)
+            model, job_optimizers, optimizers, global_names = self._attach(model, optimizer, ranks)
         except TypeError as exc:
             self._cannot_record(exc)
             return
@@ -174,8 +161,8 @@ class Recorder:
         self.optimizers = optimizers
         self.zero_counts = zero_counts
         self.spike_factor = spike_factor
-        self.include = patterns(include)
-        self.exclude = patterns(exclude)
+        self.include = patterns(opts.include)
+        self.exclude = patterns(opts.exclude)
         self.what = what
         self._backward_counts: dict[int, int] = {}
         self._hooked_params: set[int] = set()
@@ -189,8 +176,7 @@ class Recorder:
             # an object that only looks like them fails here, and leaves no file behind.
             names_in_model = model_names(model)
             self._steps_done = [initial_step(opt) for opt in optimizers]
-            self._names = [ParamNames({**distributed.global_names(opt), **names_in_model})
-                           for opt in job_optimizers]
+            self._names = [ParamNames({**names_of_places, **names_in_model}) for names_of_places in global_names]
             opt_metas = [self._optimizer_meta(i, opt) for i, opt in enumerate(optimizers)]
             # A ZeRO rank's local optimizer holds its partition only; the job's optimizer holds them all.
             optimized = {id(p) for opt in job_optimizers for g in opt.param_groups for p in g["params"]}
@@ -201,13 +187,14 @@ class Recorder:
             return
         self._warn_if_nothing_selected(opt_metas)
 
-        tensorboard_role = (distributed.TB_NONE if tensorboard is None else
-                            distributed.tensorboard_role(self.rank_setup))
-        if tensorboard_role == distributed.TB_OWN or (tensorboard_role == distributed.TB_JOB
-                                                      and self.rank_setup.rank == 0):
-            self._tensorboard = TensorBoardSink(tensorboard)
-        # A split job's TensorBoard scalars: every rank adds its parts' statistics, rank 0 writes (job_scalars).
-        if tensorboard_role == distributed.TB_JOB:
+        role = distributed.sink_role(self.rank_setup) if sinks or tensorboard is not None else None
+        if role == SINKS_OWN or (role == SINKS_JOB and self.rank_setup.rank == 0):
+            if tensorboard is not None:  # only the process that writes makes a SummaryWriter
+                sinks = [TensorBoard(tensorboard), *sinks]
+            # A split job's rank 0 feeds the job's combined statistics (_feed_job_step), not its own part's.
+            self._sinks = SinkFeed(sinks, self._warn_sink)
+        # A split job's live statistics: every rank adds its parts' statistics, rank 0 feeds the sinks (job_scalars).
+        if role == SINKS_JOB:
             self._job_scalars = JobScalars(self.rank_setup.rank, self.rank_setup.world_size, stats_every,
                                            list(self._steps_done), self._slots, self._warn_job_scalars)
         if not recording_here:
@@ -222,11 +209,8 @@ class Recorder:
             "platform": platform.platform(),
             "created_unix": time.time(),
             "argv": list(sys.argv),
-            "options": {"every": every, "stats_every": stats_every, "zero_counts": list(zero_counts),
-                        "full_stats_every": full_stats_every, "stats_sample": stats_sample,
-                        "flight_recorder": flight_recorder,
-                        "spike_factor": spike_factor, "include": self.include, "exclude": self.exclude, "what": list(what),
-                        "dtype": dtype, "compression": compression},
+            "options": opts.stored(stats_every=stats_every, stats_sample=stats_sample, include=self.include,
+                                   exclude=self.exclude),
             "optimizer_count": len(optimizers),
         }
         if self.rank_setup is not None:
@@ -241,8 +225,12 @@ class Recorder:
         # HDF5 writes happen on a writer thread behind a queue of 2 records: training waits only when the disk is
         # slower than training (+5% instead of +24% inline, docs/background.md).
         try:
+            # Single-process sinks are fed from the writer thread, with the records it has written.
+            feed = {"on_written": self._sinks.records_written} if self._sinks is not None and self._job_scalars is None \
+                else {}
             self._writer = AsyncRunWriter(self.path, meta, overwrite=overwrite, storage_dtype=dtype,
-                                          compression=compression, resume=resume, max_pending=2)
+                                          compression=compression, resume=resume, max_pending=2,
+                                          before_full_write=wait_for_copies, **feed)
         except FileExistsError:
             # Refusing to overwrite is the answer the user asked for (overwrite= defaults to False to protect an
             # earlier run): raised, before the first step, like a bad option value.
@@ -286,6 +274,28 @@ class Recorder:
             raise
         self.active = True
         lifetime.recorders.add(self)
+
+    def _attach(self, model, optimizer, ranks) -> tuple:
+        """What the recorder attaches to, looked through every wrapper: (the model whose names the run uses, the
+        optimizers the user built, the local optimizers whose hooks fire, each job optimizer's names by place).
+        Sets ``rank_setup``; TypeError for what cannot be recorded."""
+        if optimizer is None and model is not None and _is_optimizer(model):
+            raise TypeError("the optimizer was passed as the model (upd.record's second argument); write "
+                            "upd.record(path, model, optimizer), or upd.record(path, "
+                            f"optimizer={_call_name(model)}) without a model")
+        # Wrappers (Accelerate, Lightning) are looked through here; DDP and ZeRO by `distributed`, which needs to
+        # see them to decide which ranks record.
+        job_optimizers = attachable_optimizers(optimizer)
+        model = attachable_model(model)
+        # In a distributed job: which ranks record, into which file. Decided from the wrappers the user passed (DDP,
+        # ZeRO), then recording looks through them: names from the wrapped model, hooks on the optimizer that steps
+        # this rank's parameters.
+        self.rank_setup = distributed.setup(self.path, model, job_optimizers, ranks)
+        model = uncompiled(distributed.unwrap_model(model))
+        optimizers = [distributed.local_optimizer(opt) for opt in job_optimizers]
+        for opt in optimizers:
+            check_hookable(opt)
+        return model, job_optimizers, optimizers, [distributed.global_names(opt) for opt in job_optimizers]
 
     def _warn_if_nothing_selected(self, opt_metas: list) -> None:
         """include=/exclude= that match no parameter record no tensor: a typo ("*.wieght") would go unnoticed until
@@ -538,13 +548,12 @@ class Recorder:
             self._layouts[opt_index] = layout
         selected = self.every is not None and step % self.every == 0
         full = selected or self._flight is not None  # the flight recorder keeps every step in memory
-        with_stats = self.stats_every is not None and step % self.stats_every == 0
-        # Statistics-only steps get the lean set, but every full_stats_every-th step the full set (device_stats).
-        lean = with_stats and not full and not (
-            self.full_stats_every is not None and step % self.full_stats_every == 0)
+        engine = statistics_set(step, stats_every=self.stats_every, full_stats_every=self.full_stats_every,
+                                full_record=full, stats_sample=self.stats_sample)
+        with_stats, lean = engine is not None, engine in (LEAN, SAMPLED)
         if not (full or with_stats):
             return
-        if lean and self._start_lean_step(opt_index, optimizer, step, closure_step):
+        if lean and self._start_lean_step(opt_index, optimizer, step, closure_step, engine == SAMPLED):
             return
         if not closure_step:  # a closure's gradient exists only inside step(): measured at its first evaluation
             self._measure_step_norms(opt_index, optimizer)
@@ -591,7 +600,7 @@ class Recorder:
                                                    closure=closure_step, stats=stats)
 
     def _start_lean_step(self, opt_index: int, optimizer: torch.optim.Optimizer, step: int,
-                         closure_step: bool = False) -> bool:
+                         closure_step: bool = False, sampled: bool = False) -> bool:
         """A lean statistics step of a single-process run, started from the layout's _LeanPlan: the statistics
         launched before the step and the total gradient norm as the step sees it taken from their per-gradient norms
         (no pass of its own). False, having done nothing, where the general path must take the step: DTensors,
@@ -623,7 +632,7 @@ class Recorder:
             dtensor = dtensor_class()
             if not lean_applies(live, grads) or (dtensor is not None and any(isinstance(g, dtensor) for g in grads)):
                 return False
-            if self.stats_sample is not None:  # single-process runs only: a DTensor's local parts get the exact set
+            if sampled:  # single-process runs only: a DTensor's local parts get the exact set
                 stats = SampledStep(self._sampled_pools.setdefault(opt_index, SampledPool(self.stats_sample)),
                                     names, live, grads)
             else:
@@ -695,34 +704,6 @@ class Recorder:
             tracked.before = part.clone()
         return None
 
-    def _step_statistics(self, pending: _StepInProgress) -> dict:
-        """Summary statistics of every recorded parameter at this step, with one device-to-host copy in all."""
-        if isinstance(pending.stats, (LeanStep, SampledStep)):
-            return pending.stats.read()
-        full = pending.record.full
-        keys, tensors, update_keys, updates = [], [], [], []
-        for tracked in pending.params:
-            snap, live = tracked.snapshot, tracked.live  # live: the parameter itself, after the step
-            if full:  # statistics of the CPU copies taken for the full record
-                before = snap.param
-                kinds = {"param": snap.param, "grad": snap.grad, **{f"state.{k}": v for k, v in snap.state.items()}}
-            else:
-                before = tracked.before
-                kinds = {"param": before}
-                if pending.closure and live.grad is not None:  # step(closure): the gradient of the last call
-                    kinds["grad"] = local_part(live.grad)
-            for kind, t in kinds.items():
-                if t is not None:
-                    keys.append((snap.name, kind))
-                    tensors.append(t)
-            if before is not None:
-                after = local_part(live.detach())
-                updates.append((dense(after).to("cpu") if full else after) - before)
-                update_keys.append((snap.name, "update"))
-        pending.stats.launch(keys, tensors)
-        pending.stats.launch(update_keys, updates)
-        return pending.stats.read()
-
     def _after_step(self, opt_index: int, optimizer: torch.optim.Optimizer) -> None:
         step = self._steps_done[opt_index]
         self._steps_done[opt_index] += 1
@@ -739,7 +720,7 @@ class Recorder:
             pending.params = [t for t in pending.params if t.snapshot.grad is not None]
             rec.params = [t.snapshot for t in pending.params]
         if pending.stats is not None:
-            rec.stats = self._step_statistics(pending)
+            rec.stats = pending.stats.after_step(pending)  # one device-to-host copy, whichever engine
             rec.stats_meta = pending.stats_meta if pending.stats_meta is not None else {
                 t.snapshot.name: param_meta(t.snapshot, local_part(t.live)) for t in pending.params}
             if self._job_scalars is not None:
@@ -754,6 +735,9 @@ class Recorder:
         del pending  # statistics only: the device snapshots are released now, before the writer may block
         if selected:  # a full record is written now, its tensors copied to the host: the scalars go with it
             rec.scalars = self._scalars_on_host(opt_index)
+        elif rec.stats is not None and self._sinks is not None:
+            # The sinks get a step's statistics and its scalars together: read now, the device is idle by now.
+            rec.scalars = self._scalars_on_host(opt_index)
         elif len(self._scalar_rows.get(opt_index, ())) >= HOST_BATCH_STEPS:
             # A statistics step read its one host copy already: the scalars wait for a full record, or until
             # HOST_BATCH_STEPS steps wait (one more copy per that many steps, of a device that is idle by now).
@@ -765,9 +749,6 @@ class Recorder:
             self._writer.write(rec)
         else:
             self._flight.step(rec, selected)
-        if self._tensorboard is not None and rec.stats and self._job_scalars is None:
-            self._tensorboard.write(rec.step, {_tensorboard_name(opt_index, name): values
-                                               for name, values in rec.stats.items()})
         if self._flight is None or selected:
             self._records += 1
             self._full_records += bool(selected)
@@ -816,14 +797,14 @@ class Recorder:
             self._scalar_rows.setdefault(opt_index, []).append((step, wall_time, values))
 
     def _scalars_on_host(self, opt_index: int) -> list:
-        """The optimizer's waiting scalar rows read to the host (one copy per device), written to TensorBoard."""
+        """The optimizer's waiting scalar rows read to the host (one copy per device). A split job's rank 0 keeps
+        them for its sinks too, which get them with the job's statistics (the file's records carry rank 0's part)."""
         rows = self._scalar_rows.pop(opt_index, [])
         if not rows:
             return []
         rows = to_host(rows)
-        if self._tensorboard is not None:
-            for step, _, values in rows:
-                self._tensorboard.write_scalars(step, values, prefix=_tensorboard_name(opt_index, ""))
+        if self._sinks is not None and self._job_scalars is not None:
+            self._live_rows.setdefault(opt_index, []).extend(rows)
         return rows
 
     def _write_scalars(self, opt_index: int) -> None:
@@ -844,7 +825,7 @@ class Recorder:
             names = self._names[opt_index]
             recorded = [names.name(p, g, i, group) for g, group in enumerate(optimizer.param_groups)
                         for i, p in enumerate(group["params"])]
-            cached = (layout, [Slot(_tensorboard_name(opt_index, name), name) for name in recorded
+            cached = (layout, [Slot(name, name) for name in recorded
                                if is_selected(name, self.include, self.exclude)])
             self._job_slots[opt_index] = cached
         return cached[1]
@@ -854,15 +835,31 @@ class Recorder:
         it); rank 0 writes the result. JobScalars raises nothing; writing is a recorder error like any other."""
         parts = self._job_parts.pop(opt_index, None)
         combined = self._job_scalars.after_step(opt_index, parts if self.active else None)
-        if combined is not None and self._tensorboard is not None and self.active:
-            self._guard(self._write_job_scalars, *combined)
+        if self._sinks is not None and self.active and (combined is not None or opt_index in self._live_rows):
+            self._guard(self._feed_job_step, opt_index, combined)
 
-    def _write_job_scalars(self, step: int, slots: list[Slot], summed) -> None:
-        self._tensorboard.write(step, job_scalars.scalars(slots, summed))
+    def _feed_job_step(self, opt_index: int, combined: tuple | None) -> None:
+        """Hand rank 0's sinks the job's whole-parameter statistics of this step (when it had them) with the scalar
+        rows read so far, on the writer thread."""
+        steps = [SinkStep(optimizer=opt_index, step=step, wall_time=wall, scalars=values)
+                 for step, wall, values in self._live_rows.pop(opt_index, [])]
+        if combined is not None:
+            step, slots, summed = combined
+            own = [s for s in steps if s.step == step]
+            steps = [s for s in steps if s.step != step]
+            scalars = {name: value for s in own for name, value in s.scalars.items()}
+            steps.append(SinkStep(optimizer=opt_index, step=step, wall_time=own[0].wall_time if own else time.time(),
+                                  params=job_scalars.scalars(slots, summed), scalars=scalars))
+        if steps:
+            self._writer.run_later(functools.partial(self._sinks.deliver, steps))
 
     def _warn_job_scalars(self, why: str) -> None:
-        warnings.warn(f"torch-upd: the job's live TensorBoard scalars stop: {why}; training continues.",
+        warnings.warn(f"torch-upd: the job's live statistics stop: {why}; training continues.",
                       RecorderWarning, stacklevel=2)
+
+    @staticmethod
+    def _warn_sink(why: str) -> None:
+        warnings.warn(why, RecorderWarning, stacklevel=2)
 
     def dump(self, reason: str = "requested by the user") -> None:
         """Write the flight recorder's in-memory steps to the run now (e.g. from your own anomaly check)."""
@@ -889,17 +886,22 @@ class Recorder:
         return self._flight.dumps if self._flight is not None else []
 
     def close(self) -> None:
-        """Remove every hook and close the file. Safe to call twice, and after recording stopped on an error."""
+        """Remove every hook and close the file. Safe to call twice, and after recording stopped on an error.
+        A recorder inherited through fork closes nothing: the file and its writer thread are the parent's."""
+        if not lifetime.owned_here(self):
+            self.active = False
+            return
         was_active = self.active
         if was_active:
             for opt_index in list(self._scalar_rows):
                 self._guard(self._write_scalars, opt_index)
+            if self._job_scalars is not None and self._sinks is not None:
+                for opt_index in list(self._live_rows):
+                    self._guard(self._feed_job_step, opt_index, None)
             was_active = self.active  # a write that failed stopped recording
         self.active = False
         self._remove_hooks()
         self._pending.clear()
-        if self._tensorboard is not None:
-            self._tensorboard.close()
         lifetime.recorders.discard(self)
         if was_active:
             try:
@@ -914,6 +916,20 @@ class Recorder:
                     raise
                 warnings.warn(f"torch-upd: recording to {self.path} stopped ({type(exc).__name__}: {exc}); "
                               "what was committed before stays readable.", RecorderWarning, stacklevel=2)
+            finally:
+                self._close_sinks()
+        else:
+            self._close_sinks()
+
+    def _close_sinks(self) -> None:
+        """Every sink closed once, after the writer thread has fed them the last records; those this process did
+        not feed (another rank writes the job's live values) closed unused."""
+        feed, self._sinks = self._sinks, None
+        if feed is not None:
+            feed.close()
+        else:
+            close_unused(self._given_sinks, self._warn_sink)
+        self._given_sinks = []
 
     def __enter__(self) -> "Recorder":
         return self
@@ -939,11 +955,6 @@ def _gradients(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
     """The optimizer's gradients (of a DTensor, the local part: the whole of it when one process holds it all)."""
     grads = [p.grad for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
     return grads if dtensor_class() is None else [local_part(g) for g in grads]
-
-
-def _tensorboard_name(opt_index: int, name: str) -> str:
-    """A parameter's name in TensorBoard tags: prefixed for optimizer 1 and up, as ``export_ratios`` names them."""
-    return f"opt{opt_index}:{name}" if opt_index else name
 
 
 # Where optimizer wrappers keep the torch.optim.Optimizer they wrap: Accelerate's AcceleratedOptimizer and
@@ -1063,16 +1074,22 @@ def record(path, model=None, optimizer=None, **options) -> Recorder:
         stats_every: write summary statistics (mean, std, norm, abs max, zeros, NaN/Inf count of each parameter,
             gradient, update and state tensor; update:data and grad:data) every N-th step, computed on the training
             device with one host copy per step (default None: never; 1 when ``tensorboard`` is given).
-        tensorboard: a ``torch.utils.tensorboard.SummaryWriter`` or a log dir: ``update_to_data/<param>``,
-            ``grad_to_data/<param>`` and the update, gradient and parameter norms, live, at each statistics step
-            (``stats_every`` defaults to 1 then). In a distributed job rank 0 alone writes, the whole parameters'
-            values. Where each rank holds a part of the model (FSDP2, ZeroRedundancyOptimizer), every rank joins one
-            all-reduce of a small float64 tensor per statistics step (15 numbers per parameter and one per rank),
-            in the optimizer's post-step hook; replicated training (DDP) needs none. Every rank must then make the
-            same call, ``tensorboard=`` included (only rank 0 makes a writer), with the same ``stats_every``, and
-            close its recorder at the same point. A recorder error on one rank stops the scalars on every rank at
-            the next statistics step, never the training. Refused for a sharded job recorded on one rank only
-            (``ranks=`` an int): its shards' ratios are not the parameters'.
+        sinks: live outputs beside the file, objects with ``write(steps)`` and ``close()`` (``upd.sinks.Sink``;
+            ``upd.sinks.TensorBoard``, or your own): each gets every statistics step's per-parameter statistics and
+            the logged scalars, together, as ``upd.sinks.SinkStep``s, on the run file's writer thread (never the
+            training thread), and is closed with the recorder (``stats_every`` defaults to 1 then). A sink that
+            raises is warned about once and dropped; training and the file go on. In a distributed job rank 0 alone
+            feeds its sinks, the whole parameters' values (the other ranks' sinks are closed unused). Where each
+            rank holds a part of the model (FSDP2, ZeroRedundancyOptimizer), every rank joins one all-reduce of a
+            small float64 tensor per statistics step (15 numbers per parameter and one per rank), in the
+            optimizer's post-step hook; replicated training (DDP) needs none. Every rank must then make the same
+            call, with sinks, the same ``stats_every``, and close its recorder at the same point. A recorder error
+            on one rank stops the live values on every rank at the next statistics step, never the training.
+            Refused for a sharded job recorded on one rank only (``ranks=`` an int): its shards' ratios are not the
+            parameters'.
+        tensorboard: a ``torch.utils.tensorboard.SummaryWriter`` or a log dir: shorthand for
+            ``sinks=[upd.sinks.TensorBoard(tensorboard)]`` (made on the writing rank only): ``update_to_data/<param>``,
+            ``grad_to_data/<param>``, the update, gradient and parameter norms and ``scalars/<name>``, live.
         include / exclude: glob pattern(s) on parameter names, e.g. ``include="*.weight"`` (default None: every
             parameter). Patterns that match no parameter warn at this call.
         what: subset of ``("param", "grad", "state")`` to store (default all three).
@@ -1120,3 +1137,12 @@ def record(path, model=None, optimizer=None, **options) -> Recorder:
     (clipping shows as the second smaller: ``upd info`` says on how many steps).
     """
     return Recorder(path, model, optimizer, **options)
+
+
+_LEADING = [inspect.Parameter("path", inspect.Parameter.POSITIONAL_OR_KEYWORD),
+            *(inspect.Parameter(name, inspect.Parameter.POSITIONAL_OR_KEYWORD, default=None)
+              for name in ("model", "optimizer"))]
+# help(upd.record), inspect and notebooks show every option with its default, from RecordOptions.
+record.__signature__ = record_signature(*_LEADING)
+Recorder.__init__.__signature__ = record_signature(inspect.Parameter("self", inspect.Parameter.POSITIONAL_OR_KEYWORD),
+                                                   *_LEADING)

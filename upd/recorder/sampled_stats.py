@@ -35,7 +35,8 @@ import torch
 
 from ..ratios import GRAD_TO_DATA, UPDATE_TO_DATA, grad_to_data, update_to_data
 from ..runfile.stats_table import StatsRows
-from .device_stats import LEAN_COLUMNS, LEAN_KINDS, LEAN_STATS, LeanStep, SnapshotPool
+from ..statistics import LEAN_COLUMNS, LEAN_KINDS, LEAN_STATS
+from .device_stats import LeanStep, SnapshotPool
 
 BLOCK = 1  # contiguous elements per sampled block (see the module docstring)
 # Whose norms one _foreach_norm pass takes exactly, before the step: the gradient's (see the docstring). Adding
@@ -141,6 +142,10 @@ class SampledStep:
             if self.exact is not None:
                 norms.append(self.exact.grad_norm.double())
             self.grad_norm = norms[0] if len(norms) == 1 else torch.linalg.vector_norm(torch.stack(norms))
+
+    def after_step(self, step) -> StatsRows:
+        """The engine protocol: everything was launched before the step."""
+        return self.read()
 
     def read(self) -> StatsRows:
         pool = self.pool

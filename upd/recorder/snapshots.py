@@ -14,7 +14,10 @@ import torch
 
 from ..runfile import encoding
 from ..runfile.record import ShardLayout
-from .device_stats import SPARSE_LAYOUTS
+
+# torch's sparse layouts: tensors stored as indices and values (nn.Embedding(sparse=True) gradients), dense-copied
+# where the recorder needs every element.
+SPARSE_LAYOUTS = (torch.sparse_coo, torch.sparse_csr, torch.sparse_csc, torch.sparse_bsr, torch.sparse_bsc)
 
 
 def dense(tensor: torch.Tensor) -> torch.Tensor:

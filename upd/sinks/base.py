@@ -25,8 +25,8 @@ import math
 from dataclasses import dataclass, field
 from typing import Mapping, Protocol, Sequence, runtime_checkable
 
-# The statistics a live sink shows per parameter, each as "<column>/<param>", in this order.
-LIVE_COLUMNS = ("update_to_data", "grad_to_data", "update_norm", "grad_norm", "param_norm")
+# LIVE_COLUMNS: the statistics a live sink shows per parameter, each as "<column>/<param>", in this order.
+from ..statistics import LIVE_COLUMNS
 # Logged scalars (rec.log, the recorder's total gradient norms and clipping) are "scalars/<name>".
 SCALARS_SECTION = "scalars"
 
