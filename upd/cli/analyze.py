@@ -20,7 +20,8 @@ from ..analyzer.summary import Thresholds, format_summary
 from ..integrations.tensorboard import INSTALL_HINT, export_tables
 from ..replay import ReplayRuleError
 from ..replay.engine import verify as verify_run
-from ..runfile.reader import frozen_params, open_run
+from ..runfile.reader import frozen_params
+from ..runfile.opening import open_run
 from ..sinks.export import export_to_tracker, tracker_problem
 from ..outputs import derived_folder, input_files, refuse_inputs, write_csv
 from ..safe_text import TABLE_WIDTH, shorten, shorten_all, terminal_safe

@@ -10,7 +10,7 @@ import click
 
 from ..analyzer.clipping import summarize_clipping
 from ..runfile import schema
-from ..runfile.reader import open_run
+from ..runfile.opening import open_run
 import pandas as pd
 
 from ..safe_text import WIDE_CELL_CHARS, shorten, shorten_all, terminal_safe_data, text_table
