@@ -139,6 +139,12 @@ def test_analyze_reads_at_most_a_block_of_a_large_parameter(run_path, monkeypatc
     got = upd.analyze(run_path, plots=True)
     large = [n for name, n in reads if name in ("lin.weight", "scale", "spiky")]
     assert large and max(large) <= ELEMENTS
-    pd.testing.assert_frame_equal(expected.summary, got.summary, check_exact=False, rtol=1e-12, atol=0)
+    # The spectral ratio needs a whole matrix in memory: a weight larger than the block gets none (and a note).
+    spectral = "median_spectral_update_to_data"
+    assert got.summary.loc[got.summary["param"] == "lin.weight", spectral].isna().all()
+    assert np.isfinite(expected.summary.loc[expected.summary["param"] == "lin.weight", spectral]).all()
+    assert any(n.startswith("spectral ratio not computed for 1 weight(s)") and "lin.weight" in n for n in got.notes)
+    pd.testing.assert_frame_equal(expected.summary.drop(columns=[spectral]), got.summary.drop(columns=[spectral]),
+                                  check_exact=False, rtol=1e-12, atol=0)
     pd.testing.assert_frame_equal(expected.ratios, got.ratios, check_exact=False, rtol=1e-12, atol=0)
     assert got.images.keys() == expected.images.keys()
