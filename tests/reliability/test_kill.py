@@ -8,9 +8,10 @@ pytestmark = pytest.mark.slow  # each kill waits for a subprocess to train and b
 
 
 def test_sigkill_keeps_every_acknowledged_record(tmp_path):
-    # Two kills at random moments from the start, one at a random moment after a record was acknowledged, so
-    # that a kill with something to keep happens however slow the machine is.
-    results = kill.run_kills(kills=2, seed=1, low=0.3, high=1.5, workdir=str(tmp_path))
+    # One kill at a random moment from the start, one at a random moment after a record was acknowledged, so
+    # that a kill with something to keep happens however slow the machine is. (Each kill is a process importing
+    # torch; `python -m benchmarks.kill_test` runs twenty or more.)
+    results = kill.run_kills(kills=1, seed=1, low=0.3, high=1.5, workdir=str(tmp_path))
     results += kill.run_kills(kills=1, seed=2, low=0.0, high=0.5, workdir=str(tmp_path), after_records=1)
     for r in results:
         assert kill.ok(r), r
