@@ -322,17 +322,25 @@ class SnapshotPool:
         pre_sums, pre_norms = self.small_host[:4 * k].view(2, 2, k)
         post_sums, post_norms = self.small_host[4 * k:].view(2, k)
         self.grad_norms = pre_norms[1]
-        self.buckets = []  # per bucket: (its params and gradients, before - after, after, and the outputs' views)
+        # One (3, total width) allocation for all buckets: row 0 the parameters, row 1 the gradients, row 2 the new
+        # values, each bucket a (count, width) block of every row. The update is then one subtraction of row 2
+        # from row 0 for all buckets, and a bucket's parameters and gradients one (2, count, width) view.
+        ordered = sorted(widths.items())
+        self.store = torch.zeros((3, sum(width * len(members) for width, members in ordered)), dtype=torch.float64,
+                                 device=device)
+        self.buckets = []  # per bucket: (its params and gradients, before - after, and the outputs' views)
         self.small, self.param_views, self.grad_views, self.after_views = [], [], [], []
-        for width, members in sorted(widths.items()):
-            bucket = torch.zeros((3, len(members), width), dtype=torch.float64, device=device)
+        offset = 0
+        for width, members in ordered:
+            block = self.store[:, offset:offset + width * len(members)].view(3, len(members), width)
+            offset += width * len(members)
             at = slice(len(self.small), len(self.small) + len(members))
-            self.buckets.append((bucket[:2], bucket[0], bucket[2], pre_sums[:, at], pre_norms[:, at], post_sums[at],
+            self.buckets.append((block[:2], block[0], pre_sums[:, at], pre_norms[:, at], post_sums[at],
                                  post_norms[at]))
             for row, i in enumerate(members):
                 self.small.append(i)
                 for views, kind in ((self.param_views, 0), (self.grad_views, 1), (self.after_views, 2)):
-                    views.append(bucket[kind, row, :sizes[i]].view(params[i].shape))
+                    views.append(block[kind, row, :sizes[i]].view(params[i].shape))
         # Last parameter first: the optimizer steps the first parameter first, so before the step the last tensors
         # this pool read are the first the optimizer reads; after it, the first read here the last it wrote.
         self.large = [i for i, n in reversed(list(enumerate(sizes))) if n > SMALL_LIMIT]
@@ -411,7 +419,7 @@ class LeanStep:
                 if not params_copied:
                     torch._foreach_copy_(self.pool.param_views, [params[i] for i in small])
                 torch._foreach_copy_(self.pool.grad_views, [grads[i] for i in small])
-                for pre, _, _, sums, norms, _, _ in self.pool.buckets:
+                for pre, _, sums, norms, _, _ in self.pool.buckets:
                     torch.sum(pre, 2, out=sums)
                     torch.linalg.vector_norm(pre, dim=2, out=norms)
                 grad_norms.append(torch.linalg.vector_norm(self.pool.grad_norms))
@@ -467,8 +475,8 @@ class LeanStep:
             if small:
                 # The snapshot becomes before - after = -update, in place: the sign is undone on the host.
                 torch._foreach_copy_(pool.after_views, [after[i] for i in small])
-                for _, before, new, _, _, sums, norms in pool.buckets:
-                    before.sub_(new)
+                pool.store[0].sub_(pool.store[2])
+                for _, before, _, _, sums, norms in pool.buckets:
                     torch.sum(before, 1, out=sums)
                     torch.linalg.vector_norm(before, dim=1, out=norms)
                 parts.append(pool.small_host)
