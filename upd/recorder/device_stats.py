@@ -11,7 +11,8 @@ Two sets, two costs (docs/performance.md has the measurements):
   of squares), the parameter snapshot copied into buffers kept between steps (``SnapshotPool``), the update formed
   in place in them, and every tensor of up to ``SMALL_LIMIT`` elements reduced together from zero-padded float64
   buckets (a few ops for all of them, whatever their number). That costs less than the hand-written loop it
-  replaces (a clone and two ``std()`` per weight), on a transformer, a wide MLP and a tiny model alike.
+  replaces (a clone and two ``std()`` per weight) on a transformer and a wide MLP; on a tiny model the recorder's
+  own work per step is still about 2-3x the hand loop's (docs/performance.md says where it goes).
 * The **full set** (``StepStatistics``, every ``full_stats_every``-th step): also abs max, fractions of exact
   zeros, and the same statistics of every optimizer-state tensor; four passes per tensor.
 """
