@@ -11,7 +11,8 @@ Two sets, two costs (docs/performance.md has the measurements):
   of squares), the parameter snapshot copied into buffers kept between steps (``SnapshotPool``), the update formed
   in place in them, and every tensor of up to ``SMALL_LIMIT`` elements reduced together from zero-padded float64
   buckets (a few ops for all of them, whatever their number). That costs less than the hand-written loop it
-  replaces (a clone and two ``std()`` per weight), on a transformer, a wide MLP and a tiny model alike.
+  replaces (a clone and two ``std()`` per weight) on a transformer and a wide MLP; on a tiny model the recorder's
+  own work per step is still about 2-3x the hand loop's (docs/performance.md says where it goes).
 * The **full set** (``StepStatistics``, every ``full_stats_every``-th step): also abs max, fractions of exact
   zeros, and the same statistics of every optimizer-state tensor; four passes per tensor.
 """
@@ -286,11 +287,13 @@ class SnapshotPool:
     per tensor and step cost page faults and allocator work as well as the copy):
 
     * small tensors (up to SMALL_LIMIT elements) live in float64 buckets, one per power-of-four width: a bucket is a
-      (3, count, width) buffer whose rows hold a parameter (row 0), its gradient (row 1) and, after the step, its
-      new value (row 2), zero-padded. A sum and a norm along the last axis reduce a whole bucket in two vectorised
+      (2, count, width) buffer whose rows hold a parameter (row 0) and its gradient (row 1), which after the step
+      the parameter's new value replaces, zero-padded. A sum and a norm along the last axis reduce a whole bucket in two vectorised
       ops, whatever its count, and float64 keeps the one-pass std exact where |mean| >> std (norm-layer scales
-      near 1 are small tensors). The new values are copied in and subtracted bucket by bucket: a subtraction of
-      each float32 tensor from its float64 view would cost three times as much (a mixed-dtype foreach op). Each
+      near 1 are small tensors). All buckets are blocks of one (2, total width) allocation (``store``), so the
+      new values are copied in with one foreach copy and subtracted with one op for all buckets: a subtraction of
+      each float32 tensor from its float64 view would cost twice as much (a mixed-dtype ``_foreach_sub_``, see
+      docs/performance.md). Each
       reduction writes its results straight into the step's host buffer (``small_host``), so no step concatenates
       them. Widths grow by 4x: fewer buckets (ops) for at most 4x padding of tensors that are small anyway;
     * each large parameter gets a snapshot buffer of its own dtype.
@@ -322,17 +325,28 @@ class SnapshotPool:
         pre_sums, pre_norms = self.small_host[:4 * k].view(2, 2, k)
         post_sums, post_norms = self.small_host[4 * k:].view(2, k)
         self.grad_norms = pre_norms[1]
-        self.buckets = []  # per bucket: (its params and gradients, before - after, after, and the outputs' views)
-        self.small, self.param_views, self.grad_views, self.after_views = [], [], [], []
-        for width, members in sorted(widths.items()):
-            bucket = torch.zeros((3, len(members), width), dtype=torch.float64, device=device)
+        # One (2, total width) allocation for all buckets: row 0 the parameters, row 1 the gradients and, once
+        # their reductions are launched, the new values (a third less memory for the step to touch than a row of
+        # their own); each bucket a (count, width) block of both rows. The update is then one subtraction of row 1
+        # from row 0 for all buckets, and a bucket's parameters and gradients one (2, count, width) view. Device
+        # work runs in launch order, so the new values cannot overwrite the gradients before they are reduced.
+        ordered = sorted(widths.items())
+        self.store = torch.zeros((2, sum(width * len(members) for width, members in ordered)), dtype=torch.float64,
+                                 device=device)
+        self.buckets = []  # per bucket: (its params and gradients, before - after, and the outputs' views)
+        self.small, self.param_views, self.grad_views = [], [], []
+        offset = 0
+        for width, members in ordered:
+            block = self.store[:, offset:offset + width * len(members)].view(2, len(members), width)
+            offset += width * len(members)
             at = slice(len(self.small), len(self.small) + len(members))
-            self.buckets.append((bucket[:2], bucket[0], bucket[2], pre_sums[:, at], pre_norms[:, at], post_sums[at],
+            self.buckets.append((block, block[0], pre_sums[:, at], pre_norms[:, at], post_sums[at],
                                  post_norms[at]))
             for row, i in enumerate(members):
                 self.small.append(i)
-                for views, kind in ((self.param_views, 0), (self.grad_views, 1), (self.after_views, 2)):
-                    views.append(bucket[kind, row, :sizes[i]].view(params[i].shape))
+                for views, kind in ((self.param_views, 0), (self.grad_views, 1)):
+                    views.append(block[kind, row, :sizes[i]].view(params[i].shape))
+        self.after_views = self.grad_views  # the new values go where the gradients were
         # Last parameter first: the optimizer steps the first parameter first, so before the step the last tensors
         # this pool read are the first the optimizer reads; after it, the first read here the last it wrote.
         self.large = [i for i, n in reversed(list(enumerate(sizes))) if n > SMALL_LIMIT]
@@ -411,7 +425,7 @@ class LeanStep:
                 if not params_copied:
                     torch._foreach_copy_(self.pool.param_views, [params[i] for i in small])
                 torch._foreach_copy_(self.pool.grad_views, [grads[i] for i in small])
-                for pre, _, _, sums, norms, _, _ in self.pool.buckets:
+                for pre, _, sums, norms, _, _ in self.pool.buckets:
                     torch.sum(pre, 2, out=sums)
                     torch.linalg.vector_norm(pre, dim=2, out=norms)
                 grad_norms.append(torch.linalg.vector_norm(self.pool.grad_norms))
@@ -467,8 +481,8 @@ class LeanStep:
             if small:
                 # The snapshot becomes before - after = -update, in place: the sign is undone on the host.
                 torch._foreach_copy_(pool.after_views, [after[i] for i in small])
-                for _, before, new, _, _, sums, norms in pool.buckets:
-                    before.sub_(new)
+                pool.store[0].sub_(pool.store[1])
+                for _, before, _, _, sums, norms in pool.buckets:
                     torch.sum(before, 1, out=sums)
                     torch.linalg.vector_norm(before, dim=1, out=norms)
                 parts.append(pool.small_host)
