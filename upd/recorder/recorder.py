@@ -34,10 +34,10 @@ from .backward import BackwardCounts, eager
 from .flight_recorder import FlightRecorder
 from .grad_norms import queue_after_backward
 from .job_scalars import JobScalars
-from .logged_scalars import HOST_BATCH_STEPS, kept, name_problem, scalar_problem
+from .logged_scalars import HOST_BATCH_STEPS, check_logged, kept
 from .options import RecordOptions, documented_options, record_signature
-from .naming import ParamNames, is_selected, model_names, named_parameters, patterns, uncompiled
-from .resume import has_step_counter, initial_step, resume_problems
+from .naming import ParamNames, model_names, named_parameters, patterns, uncompiled, unmatched_patterns
+from .resume import continued_step, initial_step
 from .run_meta import run_meta
 from .track import OptimizerTrack, TrackSettings
 
@@ -131,7 +131,11 @@ class Recorder:
         except Exception as exc:
             self._cannot_record(exc)
             return
-        self._warn_if_nothing_selected(opt_metas)
+        unmatched = unmatched_patterns([p["name"] for meta in opt_metas for p in meta["params"]], self.include,
+                                       self.exclude)
+        if unmatched:
+            warnings.warn(f"torch-upd: {unmatched}: {self.path} will hold no parameter. Check the patterns (glob, on "
+                          "these names).", RecorderWarning, stacklevel=3)
 
         if feeds_sinks:
             # Only the process that writes makes a SummaryWriter. A split job's rank 0 feeds the job's combined
@@ -182,7 +186,8 @@ class Recorder:
         try:
             if opts.resume:
                 for track, opt_meta in zip(self._tracks, opt_metas):
-                    self._check_resume(track, opt_meta)
+                    step = continued_step(self._writer, self.path, track.index, track.optimizer, opt_meta)
+                    track.steps_done = track.steps_done if step is None else max(track.steps_done, step)
         except BaseException:
             self._discard_writer(ours)
             raise  # a run that cannot be continued: the user's mistake, like an existing file without overwrite=
@@ -232,18 +237,6 @@ class Recorder:
         return model, job_optimizers, optimizers, [distributed.global_names(opt) for opt in job_optimizers]
 
 
-    def _warn_if_nothing_selected(self, opt_metas: list) -> None:
-        """include=/exclude= that match no parameter record no tensor: a typo ("*.wieght") would go unnoticed until
-        the run is analyzed, with nothing in it. Warned once, at setup, with the names there are."""
-        if not (self.include or self.exclude):
-            return
-        names = [p["name"] for meta in opt_metas for p in meta["params"]]
-        if names and not any(is_selected(name, self.include, self.exclude) for name in names):
-            shown = ", ".join(names[:8]) + (f", ... ({len(names)} in all)" if len(names) > 8 else "")
-            warnings.warn(f"torch-upd: include={self.include} exclude={self.exclude} match none of the parameters "
-                          f"({shown}): {self.path} will hold no parameter. Check the patterns (glob, on these "
-                          "names).", RecorderWarning, stacklevel=4)
-
     def _cannot_record(self, exc: Exception) -> None:
         """Setup found something it cannot record: the recorder stays inactive, with one warning (the exception
         itself with strict=True; called inside the ``except`` that caught it)."""
@@ -263,21 +256,6 @@ class Recorder:
         self._flight = None
         if ours:
             _remove_quietly(self.path)
-
-    def _check_resume(self, track: OptimizerTrack, opt_meta: dict) -> None:
-        stored = self._writer.optimizer_meta(track.index)
-        if stored is None:
-            return  # an optimizer the earlier run did not have: recorded from now on
-        problems = resume_problems(track.index, stored, opt_meta)
-        if problems:
-            self._writer.close()
-            raise ValueError(f"{self.path}: cannot resume into this run: " + "; ".join(problems)
-                             + ". Record to a new file instead.")
-        if not has_step_counter(track.optimizer):
-            # No step counter in the optimizer's state (plain SGD): continue after the last recorded step.
-            last = self._writer.last_step(track.index)
-            if last is not None:
-                track.steps_done = max(track.steps_done, last + 1)
 
     # -- the backward pass ------------------------------------------------------------------------------------
     def _backward_counted(self) -> None:
@@ -409,13 +387,7 @@ class Recorder:
         replaces the value. ``run.steps()`` and ``run.scalars()`` show them; ``tensorboard=`` writes them live as
         ``scalars/<name>``. A value that is not one number, or a reserved name, raises (TypeError, ValueError).
         """
-        for name, value in scalars.items():
-            problem = name_problem(name)
-            if problem:
-                raise ValueError(f"rec.log: {name!r} is {problem}; choose another name")
-            problem = scalar_problem(value)
-            if problem:
-                raise TypeError(f"rec.log: {name}= is {problem}")
+        check_logged(scalars)
         if not self.active or not scalars:
             return
         values = {name: kept(value) for name, value in scalars.items()}

@@ -38,3 +38,19 @@ def resume_problems(index: int, stored: dict, now: dict) -> list[str]:
         if reshaped:
             problems.append(f"shapes changed: {'; '.join(reshaped)}")
     return problems
+
+
+def continued_step(writer, path: str, index: int, optimizer: torch.optim.Optimizer, now: dict) -> int | None:
+    """Where optimizer `index` continues the run `writer` resumes, when its state keeps no step counter (plain SGD:
+    after the last recorded step), else None (its own counter says). ValueError, after closing the writer, when the
+    optimizer cannot be appended (``resume_problems``); None for an optimizer the earlier run did not have."""
+    stored = writer.optimizer_meta(index)
+    if stored is None:
+        return None  # recorded from now on
+    problems = resume_problems(index, stored, now)
+    if problems:
+        writer.close()
+        raise ValueError(f"{path}: cannot resume into this run: " + "; ".join(problems)
+                         + ". Record to a new file instead.")
+    last = None if has_step_counter(optimizer) else writer.last_step(index)
+    return None if last is None else last + 1
