@@ -110,14 +110,15 @@ class RecordOptions:
             'its options say stats_sample=None).'))
     flight_recorder: int | None = option(None, "Keep the last K steps in memory; write them on a NaN/Inf or a norm "
                                                "spike.", COUNT, stored=True, metavar="K",
-        doc=("keep the last K steps' full tensors in memory (no disk I/O while nothing happens) and write them to the "
-            'run when a trigger fires: a NaN/Inf in a gradient or update, a gradient- or update-norm spike above '
-            '``spike_factor`` (default 10) times its recent median, or ``rec.dump(reason)``. The reasons are stored '
-            '(``Run.dumps``); the dumped steps replay and verify like any others.'))
+        doc_names="flight_recorder / spike_factor",
+        doc=("the flight recorder, one option and its trigger (``flight_recorder=K, spike_factor=F``): keep the last "
+             "K steps' full tensors in memory (no disk I/O while nothing happens) and write them to the run when a "
+             "trigger fires: a NaN/Inf in a gradient or update, a gradient- or update-norm spike above F (default "
+             "10; must be > 1) times its recent median, or ``rec.dump(reason)``. The reasons are stored "
+             "(``Run.dumps``); the dumped steps replay and verify like any others. ``spike_factor`` means nothing "
+             "without ``flight_recorder``."))
     spike_factor: float = option(10.0, "Flight recorder: a norm this many times its recent median is a spike.",
-                                 FACTOR, stored=True,
-        doc=("the flight recorder's trigger: a gradient or update norm above this many times its recent median "
-            '(default 10; must be > 1).'))
+                                 FACTOR, stored=True)
     overwrite: bool = option(False, "Replace RUN and all its files (parts, rank files) first.", FLAG,
         doc=('replace an existing file.'))
     resume: bool = option(False, "Append to RUN (training restarted from a checkpoint).", FLAG,

@@ -7,13 +7,14 @@ What reaches the writer is a ``upd.runfile.record.Record``.
 
 Counts, with one meaning each across the recorder and the reader (``Run``, ``OptimizerRun``, ``Job``):
 
-- a *record* is one committed entry of an optimizer's record table, a step the run holds: full tensors, or
-  statistics only (``Recorder.records``; a run file's ``run.steps()`` shows one row per record);
-- a *full-tensor record* holds the step's tensors (``Recorder.full_records``, ``OptimizerRun.num_records``,
-  what ``upd info`` calls records); flight-recorder dumps write full-tensor records;
-- a *step* is an ``optimizer.step()`` call (numbered from the optimizer's own step counter), recorded or not;
-  a *statistics step* is one whose statistics were written (``repr(rec)``);
-- a *dump* is one flight-recorder trigger that wrote its kept steps (``Recorder.dumps``, ``Run.dumps()``).
+- a *step* is one ``optimizer.step()`` call, numbered from the optimizer's own step counter, recorded or not; a
+  *statistics step* is one whose statistics were written (``repr(rec)``); ``run.steps()`` shows one row per step
+  the file holds anything of (full tensors, statistics or logged scalars);
+- a *record* is one row of an optimizer's record table in the file: a step's full tensors (``Recorder.full_records``,
+  ``OptimizerRun.num_records``, what ``upd info`` counts as records, the rows a parameter's ``records`` index);
+  ``Recorder.records`` counts the steps written so far, with full tensors or statistics only;
+- a *dump* is one flight-recorder trigger that wrote the steps it kept, as records (``Recorder.dumps``,
+  ``Run.dumps()``, ``Job.dumps()`` with each rank's).
 """
 from __future__ import annotations
 
@@ -78,7 +79,7 @@ class Recorder:
         self._handles = []
         self._tracks: list[OptimizerTrack] = []  # one per optimizer, in the run's order
         self._backward = BackwardCounts(self._backward_counted, self._handles)
-        self._records = 0  # records written at the cadences (the flight recorder counts its dumps)
+        self._records = 0  # steps written at the cadences (the flight recorder counts its dumps)
         self._full_records = 0  # of those, full-tensor records
         self._stats_steps = 0  # steps whose statistics were written
         self._logged: dict[str, object] = {}  # rec.log() values waiting for the next optimizer step
@@ -443,8 +444,8 @@ class Recorder:
 
     @property
     def records(self) -> int:
-        """Records committed so far, over all optimizers: steps written with full tensors or statistics (each one
-        row of ``run.steps()``), flight-recorder dumps' steps included."""
+        """Steps written so far, over all optimizers, at the ``every=`` and ``stats_every=`` cadences (with full tensors
+        or statistics only; with a flight recorder, those chosen by ``every=``), plus the steps its dumps wrote."""
         return self._records + (self._flight.records_dumped if self._flight is not None else 0)
 
     @property
