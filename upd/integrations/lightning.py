@@ -14,19 +14,31 @@ all run inside the step, in the closure, and the recorder takes the gradient (an
 closure returns, clipped. Manual optimization steps through ``LightningOptimizer.step()``, which reaches the same
 torch ``step(closure)`` with a closure that does nothing. Either way the training step's loss is stored in the run
 after each optimizer step, with ``Recorder.log``. lightning is imported here only, and only this module needs it.
+
+The Trainer's loggers get the statistics live, with no configuration, on the step axis they log the training's own
+metrics on: a ``WandbLogger``'s run (``trainer/global_step``), an ``MLFlowLogger``'s run and a
+``TensorBoardLogger``'s writer through the recorder's sinks, off the training thread; any other logger
+(``CSVLogger``, ...) through its own ``log_metrics``, called on the training thread at the end of each batch, since
+such a logger is not made to be called from another thread. ``UpdCallback(loggers=False)`` turns that off.
 """
 from __future__ import annotations
 
+import collections
 import os
 
 import torch
 
 from ..recorder import record
-from ._callback_base import RecorderCallback
+from ..sinks import TensorBoard
+from ..sinks.base import metrics
+from ..sinks.mlflow import MLflow
+from ..sinks.wandb import WandB
+from ._callback_base import IdleSink, RecorderCallback, ShiftedSink, step_offset
 
 INSTALL_HINT = 'pip install "torch-upd[lightning]"'
 DEFAULT_FILE = "upd-run.h5"  # inside trainer.log_dir (the logger's version folder, else default_root_dir)
 LOSS = "loss"  # the name the training step's loss has in what training_step returns, in self.log, and in the run
+WANDB_STEP = "trainer/global_step"  # the x-axis WandbLogger defines for everything it logs
 
 try:
     from lightning.pytorch import Callback as _CallbackBase
@@ -73,6 +85,24 @@ class UpdCallback(RecorderCallback, _CallbackBase):
         self._losses: list[torch.Tensor] = []  # the batches' losses since the last optimizer step
         self._global_step = 0  # trainer.global_step when the last batch ended
         self._log_losses = True  # False once Recorder.log refused a loss (warned once)
+        self._queued: list[QueuedSink] = []  # the loggers written from the training thread
+
+    def logger_sinks(self, trainer) -> list:
+        """A sink per logger of the Trainer (on rank 0; placeholders on the others), on the step the Trainer logs
+        the optimizer's next step at (the batches that stepped so far)."""
+        loggers = list(trainer.loggers) if self.loggers else []
+        if not trainer.is_global_zero:
+            return [IdleSink() for _ in loggers]
+        epoch_loop = trainer.fit_loop.epoch_loop
+        offset = step_offset(getattr(epoch_loop, "_batches_that_stepped", trainer.global_step), trainer.optimizers[0])
+        sinks = [self._logger_sink(f"the {type(logger).__name__}", lambda logger=logger: _sink(logger, offset))
+                 for logger in loggers]
+        self._queued = [sink for sink in sinks if isinstance(sink, QueuedSink)]
+        return [sink for sink in sinks if sink is not None]
+
+    def _drain(self) -> None:
+        for sink in self._queued:
+            sink.drain(self)
 
     def run_path(self, trainer) -> str:
         """Where this callback records for this Trainer (call it on every process: ``log_dir`` broadcasts)."""
@@ -82,13 +112,16 @@ class UpdCallback(RecorderCallback, _CallbackBase):
         def attach():
             if not trainer.optimizers:
                 raise TypeError("the LightningModule's configure_optimizers() returned no optimizer")
-            return record(path, trainer.model, list(trainer.optimizers), **self.record_options)
+            # Made here, after _start closed an earlier fit's recorder and the loggers it wrote to.
+            options = self._options_with(self.logger_sinks(trainer))
+            return record(path, trainer.model, list(trainer.optimizers), **options)
 
         path = self.run_path(trainer)
         self._start(path, "the Trainer's optimizers", attach)  # closes an earlier fit() that raised past on_exception
         self._losses, self._global_step, self._log_losses = [], trainer.global_step, True
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        self._drain()  # what the writer thread handed over for the thread-bound loggers
         rec = self.recorder
         if rec is None or not rec.active or not self._log_losses:
             return
@@ -120,4 +153,53 @@ class UpdCallback(RecorderCallback, _CallbackBase):
 
     def _close(self) -> None:
         self._losses = []
-        super()._close()
+        super()._close()  # the recorder hands its last steps to the sinks as it closes
+        self._drain()
+        self._queued = []
+
+
+def _sink(logger, offset: int):
+    """The sink that writes into one Lightning logger."""
+    from lightning.pytorch.loggers import MLFlowLogger, TensorBoardLogger, WandbLogger
+
+    if isinstance(logger, WandbLogger):
+        return WandB(logger.experiment, step_metric=WANDB_STEP, step_offset=offset)
+    if isinstance(logger, MLFlowLogger):
+        return MLflow(logger.run_id, tracking_uri=logger.experiment.tracking_uri, step_offset=offset)
+    if isinstance(logger, TensorBoardLogger):
+        return ShiftedSink(TensorBoard(logger.experiment), offset)
+    return QueuedSink(logger, offset)
+
+
+class QueuedSink:
+    """Steps for a logger that is called on the training thread only: ``write`` (the recorder's writer thread)
+    queues each step's metrics, ``drain`` (the callback, on the training thread) hands them to
+    ``logger.log_metrics`` on the Trainer's step."""
+
+    def __init__(self, logger, offset: int):
+        self.logger, self.offset = logger, int(offset)
+        self._rows: collections.deque = collections.deque()  # appended and popped from two threads
+
+    def write(self, steps) -> None:
+        for step in steps:
+            row = metrics(step)
+            if row:
+                self._rows.append((step.step + self.offset, row))
+
+    def drain(self, callback: RecorderCallback) -> None:
+        if not self._rows:
+            return
+        try:
+            while self._rows:
+                step, row = self._rows.popleft()
+                self.logger.log_metrics(row, step=step)
+            self.logger.save()
+        except Exception as exc:  # the logger refused: the steps go on being recorded, without it
+            self._rows.clear()
+            callback._queued = [q for q in callback._queued if q is not self]
+            callback._warn_unless_strict(exc, f"torch-upd: cannot write the statistics to the "
+                                              f"{type(self.logger).__name__} ({type(exc).__name__}: {exc}); "
+                                              "recording goes on without it.", hook_depth=2)
+
+    def close(self) -> None:
+        pass

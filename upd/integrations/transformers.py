@@ -12,13 +12,19 @@ call on every process; its ``ranks=`` rules decide which ones write (rank 0 alon
 
 The Trainer's own logs (loss, learning_rate, grad_norm, epoch, ...: every number of each ``on_log``) are logged
 into the run like ``rec.log(..., after_step=True)``: they belong to the optimizer step just completed, and
-``run.steps()`` and ``run.scalars()`` show them. ``trainer_logs`` reads them back as the Trainer's ``log_history``
-(also from runs written before, which kept it in the root attribute ``trainer_logs``). transformers is imported
-here only, and only this module needs it.
+``run.steps()`` and ``run.scalars()`` show them. ``trainer_logs`` reads them back as the Trainer's ``log_history``.
+transformers is imported here only, and only this module needs it.
+
+The integrations the Trainer reports to (``report_to=["wandb"]``, ``["mlflow"]``, ``["tensorboard"]``) get the
+statistics live, with no configuration: into the same run the Trainer logs to (``wandb.run``, MLflow's active run,
+the ``TensorBoardCallback``'s log dir), on the Trainer's step axis (its ``global_step``, W&B's
+``train/global_step``), through the recorder's sinks, off the training thread. ``UpdCallback(loggers=False)`` turns
+that off.
 """
 from __future__ import annotations
 
 import os
+import sys
 
 import pandas as pd
 import torch
@@ -27,11 +33,17 @@ from ..recorder import record
 from ..recorder.logged_scalars import name_problem, scalar_problem
 from ..runfile import schema
 from ..runfile.reader import open_run
-from ._callback_base import RecorderCallback
+from ..sinks import TensorBoard
+from ..sinks.mlflow import MLflow
+from ..sinks.wandb import WandB
+from ._callback_base import IdleSink, RecorderCallback, ShiftedSink, step_offset
 
 # Works before torch-upd itself is installed from a clone, where "torch-upd[transformers]" cannot be resolved.
 INSTALL_HINT = 'pip install transformers accelerate, or from a clone of torch-upd: pip install ".[transformers]"'
 DEFAULT_FILE = "upd-run.h5"  # inside TrainingArguments.output_dir
+WANDB_STEP = "train/global_step"  # the x-axis the Trainer's WandbCallback defines for everything it logs
+REPORTED = ("wandb", "mlflow", "tensorboard")  # the report_to integrations the statistics go to
+_HANDLER_DEPTH = 4  # frames up from a hook to the Trainer's CallbackHandler.call_event
 
 try:
     from transformers import TrainerCallback as _CallbackBase
@@ -73,15 +85,46 @@ class UpdCallback(RecorderCallback, _CallbackBase):
 
     FRAMEWORK, INSTALL_HINT, IMPORT_ERROR = "transformers", INSTALL_HINT, _IMPORT_ERROR
 
+    def logger_sinks(self, args, state, optimizer, callbacks: list) -> list:
+        """A sink into each integration of ``args.report_to`` that torch-upd writes to (on rank 0; a placeholder on
+        the others), on the Trainer's ``global_step``: the optimizer's next step is ``state.global_step + 1``."""
+        # getattr: a hand-made call (a test, another loop driving the callback) may give bare arguments.
+        report_to = getattr(args, "report_to", None) or ()
+        reported = [name for name in REPORTED if name in report_to] if self.loggers else []
+        if not reported:
+            return []
+        if not state.is_world_process_zero:
+            return [IdleSink() for _ in reported]
+        offset = step_offset(state.global_step + 1, optimizer)
+        made = {"wandb": lambda: _wandb_sink(offset), "mlflow": lambda: _mlflow_sink(offset, logging_interval(args)),
+                "tensorboard": lambda: _tensorboard_sink(callbacks, offset)}
+        sinks = [self._logger_sink(f"the Trainer's {name} run", made[name]) for name in reported]
+        return [sink for sink in sinks if sink is not None]
+
+    def _trainer_callbacks(self) -> list:
+        """The Trainer's callbacks, from the CallbackHandler whose call_event is calling this callback's hook (call
+        this from the hook itself): a callback is not handed the Trainer, and the TensorBoardCallback's log dir (it
+        chooses its own) is reachable only there."""
+        frame = sys._getframe(1)
+        for _ in range(_HANDLER_DEPTH):
+            frame = frame.f_back
+            if frame is None:
+                break
+            callbacks = getattr(frame.f_locals.get("self"), "callbacks", None)
+            if isinstance(callbacks, list) and any(c is self for c in callbacks):
+                return callbacks
+        return []
+
     def run_path(self, args) -> str:
         """Where this callback records for these TrainingArguments."""
         return self.path if self.path is not None else os.path.join(args.output_dir, DEFAULT_FILE)
 
     def on_train_begin(self, args, state, control, model=None, optimizer=None, **kwargs):
         path = self.run_path(args)
+        inner = torch_optimizer(optimizer)
+        options = self._options_with(self.logger_sinks(args, state, inner, self._trainer_callbacks()))
         # _start first closes the recorder of an earlier train() that raised, never reaching on_train_end.
-        self._start(path, "the Trainer's optimizer",
-                    lambda: record(path, model, torch_optimizer(optimizer), **self.record_options))
+        self._start(path, "the Trainer's optimizer", lambda: record(path, model, inner, **options))
 
     def on_log(self, args, state, control, logs=None, **kwargs):
         rec = self.recorder
@@ -98,15 +141,47 @@ class UpdCallback(RecorderCallback, _CallbackBase):
         self._close()
 
 
+def _wandb_sink(offset: int):
+    import wandb
+
+    return None if wandb.run is None else WandB(wandb.run, step_metric=WANDB_STEP, step_offset=offset)
+
+
+def logging_interval(args) -> int:
+    """The steps between two of the Trainer's logs (logging_strategy "steps" with a whole logging_steps), else 1."""
+    steps = args.logging_steps
+    if str(getattr(args.logging_strategy, "value", args.logging_strategy)) != "steps" or steps < 1 or steps % 1:
+        return 1
+    return int(steps)
+
+
+def _mlflow_sink(offset: int, every: int):
+    import mlflow
+
+    active = mlflow.active_run()  # the Trainer's MLflowCallback started it on this thread
+    if active is None:
+        return None
+    # At the Trainer's logging steps: MLflow's store costs about 0.1 ms per metric (upd.sinks.mlflow).
+    return MLflow(active.info.run_id, tracking_uri=mlflow.get_tracking_uri(), step_offset=offset, every=every)
+
+
+def _tensorboard_sink(callbacks: list, offset: int):
+    # A writer of its own in the TensorBoardCallback's log dir (TensorBoard shows one run per folder): that callback
+    # closes its writer in on_train_end, before this callback's on_train_end closes the recorder, whose last steps
+    # are then still to be written.
+    folders = [c.logging_dir for c in callbacks if type(c).__name__ == "TensorBoardCallback"
+               and getattr(c, "logging_dir", None)]
+    return ShiftedSink(TensorBoard(folders[0]), offset) if folders else None
+
+
 def trainer_logs(run_or_path) -> pd.DataFrame:
     """What the Trainer logged during a recorded run (its ``state.log_history``): one row per logged step, columns
     ``step`` (the Trainer's ``global_step``: optimizer steps done) and whatever was logged (``loss``,
     ``learning_rate``, ``grad_norm``, ``epoch``, ...; NaN where a call did not log that name). Empty for a run
     recorded without UpdCallback. Accepts an open run or job, or a path.
 
-    Runs recorded by earlier versions kept the log history in the root attribute ``trainer_logs``: read from
-    there. Now the logs are the run's logged scalars (``run.scalars()``, whose ``step`` is the recorder's: one less
-    than the Trainer's ``global_step``), less the recorder's own total gradient norms."""
+    The logs are the run's logged scalars (``run.scalars()``, whose ``step`` is the recorder's: one less than the
+    Trainer's ``global_step``), less the recorder's own total gradient norms."""
     if isinstance(run_or_path, (str, os.PathLike)):
         with open_run(run_or_path) as run:
             return trainer_logs(run)
@@ -114,20 +189,6 @@ def trainer_logs(run_or_path) -> pd.DataFrame:
     ranks = getattr(run, "ranks", None)
     if isinstance(ranks, dict):  # a job: every recording rank stored the same logs
         return trainer_logs(ranks[min(ranks)]) if ranks else pd.DataFrame(columns=["step"])
-    check = run._validator()
-    logs = check.json_attr(run._file, schema.ATTR_TRAINER_LOGS, "root", list, default=None, required=False)
-    if logs is None:
-        return _logged_by_trainer(run)
-    if not all(isinstance(entry, dict) for entry in logs):
-        raise check.fail("root", f"attribute '{schema.ATTR_TRAINER_LOGS}' is not a JSON list of objects")
-    table = pd.DataFrame(logs)
-    if "step" not in table:
-        table["step"] = pd.Series(dtype="int64")
-    return table[["step"] + [c for c in table.columns if c != "step"]]
-
-
-def _logged_by_trainer(run) -> pd.DataFrame:
-    """trainer_logs() of a run whose callback logged into the scalars table: its rows, steps as the Trainer counts."""
     scalars = run.scalars()
     scalars = scalars[scalars["optimizer"] == 0] if len(scalars) else scalars
     names = [c for c in scalars.columns

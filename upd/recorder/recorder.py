@@ -40,6 +40,7 @@ from .options import RecordOptions, documented_options, record_signature
 from .naming import ParamNames, model_names, named_parameters, patterns, uncompiled, unmatched_patterns
 from .resume import continued_step, initial_step
 from .run_meta import run_meta
+from .snapshots import wait_for_copies
 from .track import OptimizerTrack, TrackSettings
 
 
@@ -169,7 +170,8 @@ class Recorder:
             feed = {"on_written": self._sinks.records_written} if self._sinks is not None and self._job_scalars is None \
                 else {}
             self._writer = AsyncRunWriter(self.path, meta, overwrite=opts.overwrite, storage_dtype=opts.dtype,
-                                          compression=opts.compression, resume=opts.resume, max_pending=2, **feed)
+                                          compression=opts.compression, resume=opts.resume, max_pending=2,
+                                          before_full_write=wait_for_copies, **feed)
         except FileExistsError:
             # Refusing to overwrite is the answer the user asked for (overwrite= defaults to False to protect an
             # earlier run): raised, before the first step, like a bad option value.
@@ -461,7 +463,11 @@ class Recorder:
         return self._flight.dumps if self._flight is not None else []
 
     def close(self) -> None:
-        """Remove every hook and close the file. Safe to call twice, and after recording stopped on an error."""
+        """Remove every hook and close the file. Safe to call twice, and after recording stopped on an error.
+        A recorder inherited through fork closes nothing: the file and its writer thread are the parent's."""
+        if not lifetime.owned_here(self):
+            self.active = False
+            return
         was_active = self.active
         if was_active:
             for track in self._tracks:
