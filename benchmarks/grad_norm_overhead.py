@@ -25,6 +25,7 @@ import torch.nn as nn
 import upd
 from upd.recorder.grad_norms import TotalNorm, total_norm
 from upd.recorder.recorder import Recorder
+from upd.recorder.track import OptimizerTrack
 
 
 def make():
@@ -58,7 +59,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=40)
     args = parser.parse_args()
     ratios = {"recorded": [], "recorded without the norms": []}
-    originals = (Recorder._measure_backward_norms, Recorder._measure_step_norms)
+    originals = (Recorder._measure_backward_norms, OptimizerTrack._measure_step_norms)
     with tempfile.TemporaryDirectory() as tmp:
         for r in range(args.rounds):
             model, opt = make()
@@ -67,13 +68,13 @@ def main() -> None:
                 model, opt = make()
                 if label != "recorded":
                     Recorder._measure_backward_norms = lambda self: None
-                    Recorder._measure_step_norms = lambda self, *a: None
+                    OptimizerTrack._measure_step_norms = lambda self: None
                 try:
                     with upd.record(os.path.join(tmp, f"{r}-{list(ratios).index(label)}.h5"), model, opt, every=None,
                                     stats_every=1) as rec:
                         ratios[label].append(block(model, opt, rec, args.steps) / baseline)
                 finally:
-                    Recorder._measure_backward_norms, Recorder._measure_step_norms = originals
+                    Recorder._measure_backward_norms, OptimizerTrack._measure_step_norms = originals
     print(f"{'':32} median step time / unrecorded (over {args.rounds} rounds of {args.steps} steps)")
     for label, values in ratios.items():
         print(f"{label:32} {statistics.median(values):.3f}x")

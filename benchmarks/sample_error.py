@@ -38,7 +38,7 @@ def record_together(w, workdir: str, configs: list[tuple[int, int, tuple]], step
         rec = upd.record(os.path.join(workdir, f"{w.name}-{sample}-{block}-{'-'.join(norms)}.h5"), w.model, w.opt,
                          every=None, stats_every=1, full_stats_every=None, overwrite=True, strict=True,
                          stats_sample=sample)
-        rec._sampled_pools[0] = SampledPool(sample, block, norms)  # the variant under test
+        rec._tracks[0].sampled_pool = SampledPool(sample, block, norms)  # the variant under test
         recorders[(sample, block, norms)] = rec
     for _ in range(steps):
         w.forward_backward()

@@ -232,10 +232,10 @@ def _fail_at(rec, step: int) -> None:
     """Make this rank's recorder fail (as a full disk would) while computing the statistics of `step`."""
     after_step = rec._after_step
 
-    def failing(opt_index, optimizer):
-        if rec._steps_done[opt_index] == step:  # the step about to be recorded
+    def failing(track):
+        if track.steps_done == step:  # the step about to be recorded
             raise OSError("injected: no space left on device")
-        return after_step(opt_index, optimizer)
+        return after_step(track)
     rec._after_step = failing
 
 

@@ -1,6 +1,6 @@
 """Recording under torch.compile: of the model, of ``optimizer.step``, or both. The run is the same as in eager mode
 (names without torch.compile's ``_orig_mod.``, every step verifies), and the recorder's own work is never traced by
-dynamo: its hooks run eagerly (``upd.recorder.recorder.eager``).
+dynamo: its hooks run eagerly (``upd.recorder.backward.eager``).
 """
 from __future__ import annotations
 

@@ -186,7 +186,7 @@ def test_a_closure_step_gets_the_lean_set_from_the_gradients_the_closure_left(tm
                     scale = t.detach().double().abs().max().item()
                     for stat, value in reference(t).items():
                         expected[(n, step, f"{kind}_{stat}")] = (value, scale)
-        assert isinstance(rec._stats_pools.get(0), stats_mod.SnapshotPool)  # the lean path took the steps
+        assert isinstance(rec._tracks[0].stats_pool, stats_mod.SnapshotPool)  # the lean path took the steps
     with upd.open_run(path) as run:
         table = run.stats().set_index(["param", "step"])
         scalars = run.scalars().sort_values("step")

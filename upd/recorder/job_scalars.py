@@ -16,6 +16,7 @@ all-reduce fails too). Pure functions on numpy arrays, then ``JobScalars``, the 
 """
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from typing import Callable
 
@@ -23,6 +24,7 @@ import numpy as np
 import torch
 
 from ..ratios import grad_to_data, update_to_data
+from ..sinks.base import SinkStep
 from ..statistics import (ABSMAX, GRAD, GRAD_TO_DATA, LEAN_KINDS, LIVE_COLUMNS, MEAN, NONFINITE, NORM, PARAM, STATS,
                           STD, UPDATE, UPDATE_TO_DATA, ZERO_FRAC, column, finish, sufficient)
 
@@ -110,6 +112,21 @@ def scalars(slots: list[Slot], summed: np.ndarray) -> dict[str, dict[str, float]
                GRAD_TO_DATA: grad_to_data(kinds[GRAD]["std"], kinds[PARAM]["std"]),
                **{column(kind, NORM): kinds[kind]["norm"] for kind in KINDS}}
     return {slot.name: {column: float(columns[column][i]) for column in LIVE_COLUMNS} for i, slot in enumerate(slots)}
+
+
+def sink_steps(opt_index: int, rows: list, combined: tuple | None) -> list[SinkStep]:
+    """What rank 0's sinks get after a step of optimizer `opt_index`: the scalar rows read to the host so far
+    (`rows`, [(step, wall_time, {name: value})]), and when the step was a statistics step every rank contributed to
+    (`combined`, from ``JobScalars.after_step``) the whole parameters' statistics, with that step's scalars."""
+    steps = [SinkStep(optimizer=opt_index, step=step, wall_time=wall, scalars=values) for step, wall, values in rows]
+    if combined is not None:
+        step, slots, summed = combined
+        own = [s for s in steps if s.step == step]
+        steps = [s for s in steps if s.step != step]
+        values = {name: value for s in own for name, value in s.scalars.items()}
+        steps.append(SinkStep(optimizer=opt_index, step=step, wall_time=own[0].wall_time if own else time.time(),
+                              params=scalars(slots, summed), scalars=values))
+    return steps
 
 
 def collective_device() -> torch.device:

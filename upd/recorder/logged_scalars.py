@@ -44,6 +44,18 @@ def scalar_problem(value) -> str | None:
     return None
 
 
+
+def check_logged(scalars: dict) -> None:
+    """``rec.log(**scalars)``'s values: ValueError for a name that cannot be logged, TypeError for a value."""
+    for name, value in scalars.items():
+        problem = name_problem(name)
+        if problem:
+            raise ValueError(f"rec.log: {name!r} is {problem}; choose another name")
+        problem = scalar_problem(value)
+        if problem:
+            raise TypeError(f"rec.log: {name}= is {problem}")
+
+
 def kept(value):
     """The value as the recorder keeps it until it is read: a tensor detached (its graph freed), on its device."""
     return value.detach().reshape(()) if isinstance(value, torch.Tensor) else float(value)

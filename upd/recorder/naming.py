@@ -79,3 +79,12 @@ def is_selected(name: str, include: list[str], exclude: list[str]) -> bool:
     if include and not any(fnmatch.fnmatchcase(name, pat) for pat in include):
         return False
     return not any(fnmatch.fnmatchcase(name, pat) for pat in exclude)
+
+
+def unmatched_patterns(names: list[str], include: list[str], exclude: list[str]) -> str | None:
+    """include=/exclude= that match none of `names` record no tensor: a typo ("*.wieght") would go unnoticed until
+    the run is analyzed, with nothing in it. What to tell the user then (with the names there are), else None."""
+    if not (include or exclude) or not names or any(is_selected(name, include, exclude) for name in names):
+        return None
+    shown = ", ".join(names[:8]) + (f", ... ({len(names)} in all)" if len(names) > 8 else "")
+    return f"include={include} exclude={exclude} match none of the parameters ({shown})"

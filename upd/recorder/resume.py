@@ -57,3 +57,19 @@ def truncation_text(path: str, index: int, step: int, dropped: dict) -> str | No
     return (f"torch-upd: {path}: optimizer {index} resumes at step {step}, before the last recorded step: the run was "
             f"truncated back to it ({', '.join(parts)} of steps >= {step} dropped; they were trained again from the "
             "checkpoint). run.resumes lists what each resume dropped.")
+
+
+def continued_step(writer, path: str, index: int, optimizer: torch.optim.Optimizer, now: dict) -> int | None:
+    """Where optimizer `index` continues the run `writer` resumes, when its state keeps no step counter (plain SGD:
+    after the last recorded step), else None (its own counter says). ValueError, after closing the writer, when the
+    optimizer cannot be appended (``resume_problems``); None for an optimizer the earlier run did not have."""
+    stored = writer.optimizer_meta(index)
+    if stored is None:
+        return None  # recorded from now on
+    problems = resume_problems(index, stored, now)
+    if problems:
+        writer.close()
+        raise ValueError(f"{path}: cannot resume into this run: " + "; ".join(problems)
+                         + ". Record to a new file instead.")
+    last = None if has_step_counter(optimizer) else writer.last_step(index)
+    return None if last is None else last + 1
