@@ -29,6 +29,7 @@ from .device_stats import LeanStep, SnapshotPool, StepStatistics, element_count,
 from .engines import LEAN, SAMPLED, StatisticsEngine, statistics_set
 from .flight_recorder import FlightRecorder
 from .grad_norms import TotalNorm, queue_after_backward, total_norm
+from .grad_scaling import note_step as note_grad_scaling
 from .logged_scalars import HOST_BATCH_STEPS, kept, name_problem, scalar_problem, to_host
 from .job_scalars import JobScalars, Slot
 from .options import RecordOptions, record_signature
@@ -136,6 +137,7 @@ class Recorder:
         self._backward_norms: dict[int, torch.Tensor] = {}  # optimizer -> total gradient norm after backward
         self._norm_queued = False  # a callback at the end of the backward pass in progress is queued
         self._step_scalars: dict[int, dict] = {}  # optimizer -> scalars the recorder measured in the step in progress
+        self._grad_scaling: dict = {}  # optimizer -> what GradScaler handed its fused step in progress (grad_scaling)
         self._closure_evaluated_once: set[int] = set()  # optimizers whose step(closure) evaluated its closure
         self._job_scalars: JobScalars | None = None
 
@@ -444,6 +446,8 @@ class Recorder:
             if closure is None:
                 self._norm_queued = False  # a backward pass that raised never ran its callback: queue anew
             self._guard(self._before_step, opt_index, optimizer, closure is not None)
+            if self.active:
+                self._guard(note_grad_scaling, self._grad_scaling, self._step_scalars, opt_index, optimizer)
             if closure is None or not self.active:
                 return None
             wrapped = self._wrap_closure(opt_index, closure)
@@ -705,6 +709,7 @@ class Recorder:
         self._steps_done[opt_index] += 1
         self._last_stepped = opt_index
         pending = self._pending.pop(opt_index, None)
+        scaling = self._grad_scaling.pop(opt_index, None)
         self._queue_scalars(opt_index, step, pending.record.wall_time if pending is not None else time.time())
         if pending is None:
             if len(self._scalar_rows.get(opt_index, ())) >= HOST_BATCH_STEPS:
@@ -717,6 +722,8 @@ class Recorder:
             rec.params = [t.snapshot for t in pending.params]
         if pending.stats is not None:
             rec.stats = pending.stats.after_step(pending)  # one device-to-host copy, whichever engine
+            if scaling is not None:  # a fused step under GradScaler: the gradients as the optimizer used them
+                rec.stats = scaling.unscaled(rec.stats)
             rec.stats_meta = pending.stats_meta if pending.stats_meta is not None else {
                 t.snapshot.name: param_meta(t.snapshot, local_part(t.live)) for t in pending.params}
             if self._job_scalars is not None:
@@ -724,6 +731,8 @@ class Recorder:
                     t.snapshot.name: (element_count(local_part(t.live)), rec.stats[t.snapshot.name])
                     for t in pending.params
                     if t.snapshot.name in rec.stats and distributed.counts_toward_whole(t.live, self.rank_setup)})
+        if rec.full and scaling is not None:
+            scaling.unscale_grads(rec.params)
         if rec.full:
             for t in pending.params:
                 t.snapshot.param_after = cpu_copy(t.live) if "param" in self.what else None
