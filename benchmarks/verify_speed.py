@@ -153,9 +153,10 @@ MEMORY_CHILD = """
 import sys, torch
 import upd
 from upd.replay import blocks
+from upd.runfile import tensor_blocks
 torch.set_num_threads(1)
 if sys.argv[2] == "whole":
-    blocks.BLOCK_ELEMENTS = blocks.CHUNK_ELEMENTS = 1 << 40
+    tensor_blocks.BLOCK_ELEMENTS = blocks.CHUNK_ELEMENTS = 1 << 40
 def status(field):
     # VmHWM, not ru_maxrss: Linux carries ru_maxrss over exec from the parent (which recorded the run)
     with open("/proc/self/status") as f:

@@ -17,6 +17,13 @@ default action terminates the process. Only the recorders: the signal may land i
 run, and h5py cannot close a file from inside one of its own calls; when the process goes on (a user handler that
 exits), the exit closes the rest. A SIGTERM that arrives while a recorder is inside its hook (an HDF5 write may be in
 progress) waits until the hook returns, milliseconds later (``signals_deferred``).
+
+Everything registered here belongs to the process that registered it. A forked child (a ``fork`` Pool's worker, a
+data tool, ``os.fork``) inherits copies of the open recorders, writers and runs, but not the writer threads and not
+the right to their files: closing a recorder there would wait forever on a thread that does not exist, and would
+write into the parent's live file. So in a child every inherited object is forgotten at the fork
+(``os.register_at_fork``): the child's exit and the child's SIGTERM close nothing of the parent's, and an inherited
+recorder is inert (``owned_here`` is False: its hooks record nothing, its ``close()`` does nothing).
 """
 from __future__ import annotations
 
@@ -34,11 +41,15 @@ class _Open:
     an object alive."""
 
     def __init__(self, weak: bool = True, closed_on_sigterm: bool = False):
+        self._weak = weak
         self._objects = weakref.WeakSet() if weak else set()
         self._closed_on_sigterm = closed_on_sigterm
+        _registries.append(self)
 
     def add(self, obj) -> None:
         _install_handlers(sigterm=self._closed_on_sigterm)
+        if self._weak:
+            _owner_pid[obj] = os.getpid()
         self._objects.add(obj)
 
     def discard(self, obj) -> None:
@@ -46,6 +57,16 @@ class _Open:
 
     def __iter__(self):
         return iter(list(self._objects))  # a copy: closing an object removes it from the set
+
+
+_registries: list = []  # every _Open, so that a forked child can forget what they hold
+_owner_pid: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # object -> the pid that registered it
+
+
+def owned_here(obj) -> bool:
+    """Whether `obj` belongs to this process: False for a recorder (writer, run) inherited through fork, which
+    this process must neither use nor close. An object never registered belongs to whoever has it."""
+    return _owner_pid.get(obj, os.getpid()) == os.getpid()
 
 
 recorders = _Open(closed_on_sigterm=True)
@@ -59,6 +80,26 @@ _sigterm_installed = False
 _inside_hooks: "weakref.WeakSet" = weakref.WeakSet()  # recorders inside a hook now
 _pending_signal: list = []  # a SIGTERM that arrived while a recorder was inside its hook
 _finish_signal = None  # what a deferred SIGTERM runs once the hook has returned
+
+
+def _forget_after_fork() -> None:
+    """In a forked child: the parent's objects are not ours to close (see the module docstring). Only plain
+    attribute and set operations here: an h5py call could wait on a lock a parent thread held at the fork."""
+    global _install_lock, _inside_hooks
+    for recorder in list(recorders):
+        try:
+            recorder.active = False  # its hooks see this first and record nothing in the child
+        except Exception:
+            pass
+    for registry in _registries:
+        registry._objects = weakref.WeakSet() if registry._weak else set()
+    _inside_hooks = weakref.WeakSet()  # a parent thread's hook does not run here: no SIGTERM waits for it
+    _pending_signal.clear()
+    _install_lock = threading.Lock()  # it may have been held by a parent thread at the fork
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forget_after_fork)
 
 
 def _close_recorders() -> None:

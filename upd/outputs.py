@@ -8,6 +8,11 @@ renamed over the name, which replaces whatever link was there instead of writing
 folder, a device or a FIFO is refused, not replaced. The folder itself is the user's (a link to a folder named on
 the command line is followed). A failure says what went wrong in one line (OutputError); docs/reliability.md, "Output
 files".
+
+Only a path the user typed may be followed. A default derived from the run's name (``run-analysis/`` next to
+``run.h5``) is never followed when it is a symlink: a link shipped with the run would send the outputs, and the
+replacement of files of the same names, anywhere (`derived_folder`). And no output replaces an input: ``upd analyze
+run.h5 --csv run.h5`` would replace the run with its table (`refuse_inputs`).
 """
 from __future__ import annotations
 
@@ -19,6 +24,7 @@ from contextlib import contextmanager
 
 import pandas as pd
 
+from .runfile.ranks import rank_files
 from .safe_text import csv_safe_frame
 
 
@@ -28,6 +34,49 @@ class OutputError(OSError):
 
 def _reason(exc: OSError) -> str:
     return exc.strerror or str(exc) or type(exc).__name__
+
+
+def derived_folder(base: str, suffix: str) -> str:
+    """The default output folder of the file `base` (its name without the extension, plus `suffix`); OutputError
+    when that name is a symlink, which is never followed since the user did not type it."""
+    folder = os.path.splitext(os.fspath(base))[0] + suffix
+    if os.path.islink(folder):
+        raise OutputError(f"{folder}: the default output folder is a symbolic link, which is never followed; "
+                          "give the folder to write into with --out")
+    return folder
+
+
+def input_files(run_paths) -> list[str]:
+    """The files the runs `run_paths` are read from: each path, and the rank files of a distributed job's path."""
+    files = []
+    for path in run_paths:
+        files.append(os.fspath(path))
+        try:
+            files.extend(rank_files(path)[1].values())
+        except ValueError:  # ambiguous rank files: the reader refuses them; nothing of them is replaced here
+            pass
+    return files
+
+
+def refuse_inputs(outputs, inputs) -> None:
+    """OutputError when an output path (a name to be replaced) is one of the input files (same file, by device and
+    inode, whatever the spelling of the path); paths that do not exist yet are not inputs."""
+    read = set()
+    for path in inputs:
+        try:
+            st = os.stat(path)
+        except OSError:
+            continue
+        read.add((st.st_dev, st.st_ino))
+    for path in outputs:
+        if not path:
+            continue
+        try:
+            st = os.lstat(path)  # the name itself: replacing a link to an input leaves the input alone
+        except OSError:
+            continue
+        if (st.st_dev, st.st_ino) in read:
+            raise OutputError(f"{path}: is an input file of this command; refusing to replace it with an output")
 
 
 def make_output_dir(folder: str) -> str:

@@ -3,7 +3,7 @@ there are, what the columns are called and how each statistic merges across the 
 
 A base module (numpy only: no torch, nothing of torch-upd): the recorder computes these statistics
 (``recorder/device_stats.py``, ``sampled_stats.py``), the run file stores them as columns ``<kind>_<stat>``, the
-shard merge (``analyzer/shard_stats.py``, ``recorder/job_scalars.py``) combines them by each one's ``MERGE`` rule,
+shard merge (``runfile/shard_stats.py``, ``recorder/job_scalars.py``) combines them by each one's ``MERGE`` rule,
 the analyzer and every live sink read them by these names.
 
 Adding a statistic: its math in ``device_stats`` (the full set) and one entry in ``STATS`` and ``MERGE`` here.
@@ -17,7 +17,7 @@ MEAN, STD, NORM, ABSMAX, ZERO_FRAC, NONFINITE = "mean", "std", "norm", "absmax",
 STATS = (MEAN, STD, NORM, ABSMAX, ZERO_FRAC, NONFINITE)
 
 # How each statistic of a whole tensor follows from its shards' (element counts n_i): the rules
-# ``analyzer/shard_stats.py`` implements, one each.
+# ``runfile/shard_stats.py`` implements, one each.
 WEIGHTED_MEAN = "count-weighted mean"  # sum n_i mean_i / n
 POOLED_STD = "pooled spread"  # the shards' own spreads plus their means' spread around the whole's (Chan et al.)
 ROOT_SUM_SQUARES = "root of the summed squares"  # sqrt(sum norm_i^2)

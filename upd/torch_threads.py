@@ -9,11 +9,11 @@ from __future__ import annotations
 
 import contextlib
 
-import torch
-
 
 @contextlib.contextmanager
 def one_torch_thread():
+    import torch  # here: importing this module (the reader does) imports no torch
+
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:

@@ -7,7 +7,8 @@ from click.testing import CliRunner
 from torch import nn
 
 import upd
-from upd.analyzer.clipping import clipping_by_step, clipping_summary
+from upd.analyzer.clipping import clipping_by_step
+from tests.harness.clipping import clipping_summary
 from upd.cli.main import main
 from upd.runfile import schema
 

@@ -21,6 +21,7 @@ import torch.multiprocessing as mp
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import upd
+from upd.analyzer.findings import REPLICAS
 from upd.recorder import distributed
 from upd.replay.engine import EXIT_MATCH, EXIT_MISMATCH, replica_checks
 from upd.runfile import schema
@@ -198,6 +199,12 @@ def test_replicas_that_drift_apart_are_caught_though_each_replays(job):
     assert sorted(bad["param"]) == sorted(NAMES)
     assert set(zip(bad["rank"], bad["step"])) == {(1, 0)}
     assert bad["note"].str.startswith("replica on rank 1 differs from rank 0 at step 0").all()
+    # upd analyze finds it too (the replicas are small enough to compare there), with the rank, step and weights.
+    found = [f for f in upd.analyze(os.path.join(folder, "drift.h5")).findings if f.kind == REPLICAS]
+    assert len(found) == 1 and found[0].step == 0 and sorted(found[0].params) == sorted(NAMES)
+    assert found[0].text.startswith("replica on rank 1 diverges")
+    # DDP's replicas (the gradients all-reduced) agree: no such finding.
+    assert not [f for f in upd.analyze(os.path.join(folder, "replicas.h5")).findings if f.kind == REPLICAS]
 
 
 @pytest.mark.slow
@@ -352,3 +359,18 @@ def test_ranks_outside_a_distributed_job_is_checked_and_otherwise_ignored(tmp_pa
     assert rec.rank_setup is None and rec.records == 1
     with upd.open_run(str(tmp_path / "x.h5")) as run:
         assert "distributed" not in run.meta
+
+
+@pytest.mark.slow
+def test_info_says_a_ddp_file_recorded_by_rank_0_is_the_whole_job(job):
+    from click.testing import CliRunner
+    from upd.cli.main import main
+
+    folder, _ = job
+    path = os.path.join(folder, "ddp.h5")
+    out = CliRunner().invoke(main, ["info", path]).output
+    assert "this file is the whole job" in out, out
+    assert "the whole job: upd info" not in out and "that rank's part" not in out
+    replica = rank_path(os.path.join(folder, "replicas.h5"), 1, 2)  # ranks="all": each file one replica's part
+    out = CliRunner().invoke(main, ["info", replica]).output
+    assert "this file holds that rank's part; the whole job: upd info" in out, out

@@ -1,13 +1,23 @@
-"""Record one replay-matrix case: a short real training run of a small model with the case's optimizer configuration.
+"""The replay matrix: record one case (a short real training run of a small model with the case's optimizer
+configuration), check that verify passes on it, and that each perturbation of it makes verify fail.
 
-Shared by tests/verify/test_replay_matrix.py (verify passes, and fails on each perturbation) and
-benchmarks/verify_worst_errors.py (the worst error per optimizer, in docs/verify.md).
+Every optimizer x option set x implementation in tests/harness/cases: verify passes; for each optimizer x option
+set (one implementation of it), verify fails on each perturbation. The test files tests/verify/test_replay_matrix_*.py
+run a few case modules each, so that pytest-xdist's workers share the matrix (--dist loadfile keeps a file on one
+worker). Also used by benchmarks/verify_worst_errors.py (the worst error per optimizer, in docs/verify.md) and
+tests/harness/perturbation_coverage.py (the proof that perturbing one implementation loses nothing).
 """
+import json
+import shutil
+
+import h5py
+import pytest
 import torch
 from torch import nn
 
 import upd
-from tests.harness.cases import Case
+from upd.runfile import schema
+from tests.harness.cases import Case, all_cases
 
 
 class ConvNet(nn.Module):
@@ -91,3 +101,91 @@ def record_case(case: Case, path: str) -> str:
                 closure()
                 opt.step()
     return path
+
+
+def perturbed_cases(cases):
+    """One case per (optimizer, options, model) that verify passes: the tolerance check a perturbation trips does
+    not depend on which implementation recorded the run, and every implementation is already checked by
+    check_verify_passes. The implementation perturbed rotates across option sets, so each one is perturbed
+    somewhere."""
+    groups = {}
+    for c in cases:
+        if c.expect_exit == 0:
+            groups.setdefault(c.options_id, []).append(c)
+    chosen = []
+    for number, group in enumerate(groups.values()):
+        assert len({c.perturb for c in group}) == 1, f"{group[0].options_id}: implementations perturbed differently"
+        chosen.append(group[number % len(group)])
+    return chosen
+
+
+PERTURBED = [(c, kind) for c in perturbed_cases(all_cases()) for kind in c.perturb]  # chosen over the whole matrix
+
+
+def passes_params(cases):
+    return [pytest.param(c, id=c.id, marks=c.marks) for c in cases]
+
+
+def perturbation_params(cases):
+    ids = {c.id for c in cases}
+    return [pytest.param(c, kind, id=f"{c.id}-{kind}", marks=c.marks) for c, kind in PERTURBED if c.id in ids]
+
+
+def recorded_cases(tmp_path_factory):
+    """case -> the path of its recording, each case recorded once per test module."""
+    cache = {}
+
+    def get(case):
+        if case.id not in cache:
+            cache[case.id] = record_case(case, str(tmp_path_factory.mktemp("m") / f"{case.id}.h5"))
+        return cache[case.id]
+    return get
+
+
+def check_verify_passes(case, path) -> None:
+    report = upd.verify(path)
+    assert report.exit_code == case.expect_exit, report.summary()
+    if case.expect_exit == 3:  # refused, each step with its reason
+        assert report.matched == 0 and report.mismatched == 0 and report.skipped > 0
+        assert report.checks["note"].str.len().min() > 20
+    if case.expect_exit == 0:
+        assert report.mismatched == 0 and report.matched >= case.steps
+        with upd.open_run(path) as run:
+            has_state = (run.params()["state"] != "").any()
+        assert report.checks["state_checked"].any() or not has_state or case.steps == 1
+
+
+def perturbed(case, src: str, kind: str, folder) -> tuple[str, int]:
+    """A copy of the recording `src` in `folder` with one perturbation; returns (its path, the record perturbed)."""
+    dst = str(folder / f"{kind}.h5")
+    shutil.copyfile(src, dst)
+    with h5py.File(dst, "r+") as f:
+        params = f[schema.PARAMS_GROUP.path(k=0)]
+        hparams = f[schema.RECORD_TABLE.at(schema.HPARAMS, k=0)]
+        record = 2 if case.steps > 2 else case.steps - 1
+        if kind == "update":
+            name = next(n for n in params if params[n][schema.KIND_PARAM].ndim >= 3)  # a weight
+            p = params[name]
+            row = list(p[schema.RECORD_INDEX][()]).index(record)
+            before, after = p[schema.KIND_PARAM][row], p[schema.KIND_PARAM_AFTER][row]
+            p[schema.KIND_PARAM_AFTER][row] = before + (after - before) * 1.01
+        else:
+            groups = json.loads(hparams[record])
+            if kind == "lr":
+                lr = groups[0]["lr"]
+                groups[0]["lr"] = {"tensor": lr["tensor"] * 1.01, "dtype": lr["dtype"]} if isinstance(lr, dict) \
+                    else lr * 1.01
+            else:
+                assert groups[0]["weight_decay"] != 0, "case lists weight_decay but has none"
+                for g in groups:
+                    g["weight_decay"] = 0.0
+            hparams[record] = json.dumps(groups)
+    return dst, record
+
+
+def perturbation_caught(case, src: str, kind: str, folder) -> tuple[bool, str]:
+    """(verify failed, naming the perturbed record among its mismatches; its summary)."""
+    path, record = perturbed(case, src, kind, folder)
+    report = upd.verify(path)
+    bad = report.checks[report.checks["status"] == "mismatch"]
+    return report.exit_code == 1 and record in set(bad["record"]), report.summary()

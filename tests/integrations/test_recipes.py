@@ -233,8 +233,13 @@ def test_torchrun_and_ddp(tmp_path):
 
 
 @pytest.mark.slow
-def test_torch_compile(tmp_path):
+def test_torch_compile(tmp_path, monkeypatch):
+    """The recipe as written, compiled with aot_eager: what it checks (dynamo tracing, the names) does not depend on
+    the backend, and inductor's C++ builds (about 25 s on a fresh cache) are tested once, in
+    tests/recorder/test_compile.py."""
     torch._dynamo.reset()
+    compile_with = torch.compile
+    monkeypatch.setattr(torch, "compile", lambda *args, **kwargs: compile_with(*args, backend="aot_eager", **kwargs))
     namespace = run_recipe("torch.compile", tmp_path)
     assert type(namespace["model"]).__name__ == "OptimizedModule"
     check_recorded(tmp_path / "runs" / "compiled.h5", BATCHES, 5)  # names without "_orig_mod."

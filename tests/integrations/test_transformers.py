@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import upd
-from upd.analyzer.clipping import clipping_summary
+from tests.harness.clipping import clipping_summary
 from upd.runfile import schema
 
 from tests.harness.distributed import torchrun_script
@@ -112,7 +112,7 @@ def test_the_trainers_logs_are_stored_in_the_run(trained):
     assert list(steps["step"] + 1) == [e["step"] for e in history if "loss" in e]
     with h5py.File(path, "r") as f:  # stored as the run format declares it: logged scalars, no root attribute
         assert set(f.attrs) <= {a.name for a in schema.ROOT.attrs}
-        assert schema.ATTR_TRAINER_LOGS not in f.attrs and schema.ATTR_CLOSED_CLEANLY in f.attrs
+        assert schema.ATTR_CLOSED_CLEANLY in f.attrs
         assert "loss" in json.loads(f[f"optimizers/0/{schema.SCALARS}"].attrs[schema.SCALAR_COLUMNS])
 
 
@@ -131,27 +131,10 @@ def test_the_gradient_norm_before_clipping_is_the_one_the_trainer_logged(trained
     assert clipping.clipped_to == pytest.approx(MAX_GRAD_NORM, rel=1e-4)
 
 
-def test_logs_of_an_earlier_version_are_read_from_the_root_attribute(tmp_path):
-    path = record_run(str(tmp_path / "old.h5"), lambda m: torch.optim.SGD(m.parameters(), lr=0.1), steps=1)
-    history = [{"loss": 2.5, "learning_rate": 0.1, "step": 1}, {"train_runtime": 3.0, "step": 1}]
-    with h5py.File(path, "r+") as f:
-        f.attrs[schema.ATTR_TRAINER_LOGS] = json.dumps(history)
-    logs = trainer_logs(path)
-    assert logs.to_dict("list")["loss"][0] == 2.5 and len(logs) == 2 and list(logs["step"]) == [1, 1]
-
-
 def test_a_run_recorded_without_the_callback_has_no_logs(tmp_path):
     path = record_run(str(tmp_path / "plain.h5"), lambda m: torch.optim.SGD(m.parameters(), lr=0.1), steps=1)
     logs = trainer_logs(path)
     assert logs.empty and list(logs.columns) == ["step"]
-
-
-def test_logs_that_are_not_a_list_of_objects_are_refused(tmp_path):
-    path = record_run(str(tmp_path / "bad.h5"), lambda m: torch.optim.SGD(m.parameters(), lr=0.1), steps=1)
-    with h5py.File(path, "r+") as f:
-        f.attrs[schema.ATTR_TRAINER_LOGS] = "[1, 2]"
-    with pytest.raises(upd.RunFileError, match=schema.ATTR_TRAINER_LOGS):
-        trainer_logs(path)
 
 
 def test_unknown_record_options_are_refused_when_the_callback_is_made():

@@ -226,6 +226,7 @@ def test_the_file_and_the_analyzer_say_the_statistics_are_estimates(runs):
     assert "stats_sample=" not in CliRunner().invoke(main, ["info", exact]).output
 
 
+@pytest.mark.slow
 def test_the_ratio_figures_say_the_statistics_are_estimates(runs, monkeypatch):
     from upd.analyzer import plots
 

@@ -863,6 +863,7 @@ def _hostile_file_peak_rss_stays_bounded(request):
         f"peak RSS rose {rise['bytes'] / 2**20:.0f} MiB while reading this hostile file"
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not PEAK_RESETTABLE, reason="the peak RSS cannot be reset here (no /proc/self/clear_refs)")
 def test_peak_rss_rise_sees_memory_allocated_inside_c_code():
     """The per-test bound above can fail: memory that C code (here libc's malloc, as HDF5 would) touches and frees

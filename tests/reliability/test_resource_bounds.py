@@ -216,6 +216,7 @@ def test_a_parameter_whose_gradient_is_missing_at_most_steps_still_reads(tmp_pat
     assert codes == {"info": 0, "analyze": 0, "verify": 0}
 
 
+@pytest.mark.slow
 def test_the_budget_is_the_users_to_raise(tmp_path, monkeypatch):
     """UPD_MAX_READ_RATIO (the user's, never the file's) reads a run whose tensors really are that uniform."""
     path = _copy("adam.h5", str(tmp_path))

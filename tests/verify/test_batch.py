@@ -8,7 +8,8 @@ import pytest
 import torch
 
 import upd
-from upd.replay import batch, blocks, engine, parallel
+from upd.replay import batch, engine, parallel
+from upd.runfile import tensor_blocks
 from upd.runfile import schema
 
 from tests.harness.cases import all_cases
@@ -147,7 +148,7 @@ def test_batches_are_bounded_by_a_block_and_read_a_few_rows_at_a_time(tmp_path, 
     # biases (8 and 3, the other group) still do, and are read one step (and the next) at a time
     path = record_case(CASES["adamw-wd-forloop"], str(tmp_path / "run.h5"))
     name = _corrupt(path, lambda names: "fc2.bias")
-    monkeypatch.setattr(blocks, "BLOCK_ELEMENTS", 12)
+    monkeypatch.setattr(tensor_blocks, "BLOCK_ELEMENTS", 12)
     alone = _one_by_one(path, monkeypatch)
     together = upd.verify(path)
     assert [given for given, _ in batched] == [["fc1.bias", "fc2.bias"]]

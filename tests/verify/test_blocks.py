@@ -8,7 +8,7 @@ import torch
 
 import upd
 from upd.replay import blocks
-from upd.runfile import schema
+from upd.runfile import schema, tensor_blocks
 
 from tests.harness.cases import all_cases
 from tests.harness.replay_matrix import record_case
@@ -26,7 +26,7 @@ EXACT = ["status", "record", "step", "max_abs_err", "err_to_tol", "state_checked
 
 def _tiny_blocks(monkeypatch):
     # 7 elements per block and 3 per rule call: every weight spans many blocks (two passes) and chunks.
-    monkeypatch.setattr(blocks, "BLOCK_ELEMENTS", 7)
+    monkeypatch.setattr(tensor_blocks, "BLOCK_ELEMENTS", 7)
     monkeypatch.setattr(blocks, "CHUNK_ELEMENTS", 3)
 
 
@@ -69,10 +69,10 @@ def test_element_blocks_cover_the_tensor_once_in_order():
     shape = (5, 4, 3)
     for limit in (1, 2, 5, 12, 13, 59, 60, 100):
         seen = np.concatenate([np.arange(60).reshape(shape)[index].reshape(-1)
-                               for index in blocks.element_blocks(shape, limit)])
+                               for index in tensor_blocks.element_blocks(shape, limit)])
         assert seen.tolist() == list(range(60)), limit
-        assert all(np.arange(60).reshape(shape)[i].size <= max(limit, 1) for i in blocks.element_blocks(shape, limit))
-    rows = blocks.element_blocks(shape, 5, whole_rows=True)  # a row (12 elements) is larger than the limit
+        assert all(np.arange(60).reshape(shape)[i].size <= max(limit, 1) for i in tensor_blocks.element_blocks(shape, limit))
+    rows = tensor_blocks.element_blocks(shape, 5, whole_rows=True)  # a row (12 elements) is larger than the limit
     assert rows == [(slice(i, i + 1),) for i in range(5)]
 
 

@@ -1,6 +1,7 @@
 """`upd analyze` as a Python function: ratios, the per-parameter summary and the figures in one object."""
 from __future__ import annotations
 
+import json
 import os
 from dataclasses import dataclass, field
 
@@ -9,6 +10,11 @@ import pandas as pd
 from ..outputs import make_output_dir, open_output, write_csv
 from ..runfile.job import Job
 from ..runfile.reader import Run, open_run
+from ..alert_rules import AlertRules
+from ..replay.engine import replica_checks
+from ..runfile.job import REPLICATED
+from .findings import Finding, find, format_findings, replica_findings
+from .metrics import METRICS, metrics_table, spectral_notes, spectral_rows, with_metric_medians
 from .steps import compared_steps, describe_steps, full_record_steps, histogram_keys
 from .summary import Thresholds, summarize
 
@@ -23,6 +29,21 @@ class Analysis:
     images: dict = field(default_factory=dict)  # {file name: PNG bytes} of every figure drawn (the HTML report's)
     hist_steps: list = field(default_factory=list)  # the steps the histograms compare
     notes: list = field(default_factory=list)  # what the reader should know about where the numbers come from
+    findings: list = field(default_factory=list)  # [Finding], most severe first (analyzer/findings.py)
+    metrics: pd.DataFrame | None = None  # per (optimizer, param, step): std, RMS and spectral ratios (metrics.py)
+    rules: AlertRules = AlertRules()  # the thresholds the findings used
+
+    def findings_text(self, escape=str) -> str:
+        """The findings section: a numbered line per finding (each passed through escape), or the healthy line."""
+        return format_findings(self.findings, self.summary, self.ratios, self.rules, escape)
+
+    def to_dict(self) -> dict:
+        """The whole analysis as plain JSON data: findings, summary, per-step metrics, notes (`upd analyze --json`)."""
+        def records(frame):
+            return [] if frame is None else json.loads(frame.to_json(orient="records"))
+        return {"findings": [f.to_dict() for f in self.findings], "findings_text": self.findings_text(),
+                "summary": records(self.summary), "metrics": records(self.metrics), "notes": list(self.notes),
+                "hist_steps": list(self.hist_steps), "plots": list(self.plots)}
 
     @property
     def flagged(self) -> pd.DataFrame:
@@ -63,14 +84,49 @@ def sample_notes(ratios: pd.DataFrame, options: dict) -> list[str]:
             f"(stats_sample={sample}; docs/performance.md gives the error), exact for the others and at full-set steps"]
 
 
+# Replica agreement is checked by analyze when the replicas to compare hold at most this many bytes (parameters
+# before and after each step, every replica): beyond, reading them all again is verify's job, and analyze says so.
+REPLICA_CHECK_BYTES = 256 * 1024 * 1024
+
+
+def replica_check(run) -> tuple[list[Finding], list[str]]:
+    """(findings, notes) on the replicas of a distributed job recorded with ranks="all": diverging replicas as
+    findings when they are cheap to compare, else a note saying they were not compared; nothing for a single file
+    or a job without replicas."""
+    if not isinstance(run, Job):
+        return [], []
+    size = 0
+    for opt in run.optimizers:
+        for p in opt.param_records.values():
+            if getattr(p, "layout", None) == REPLICATED and len(getattr(p, "ranks", ())) > 1:
+                size += 2 * p.numel * 8 * p.num_rows * len(p.ranks)
+    if not size:
+        return [], []
+    if size > REPLICA_CHECK_BYTES:
+        return [], [f"replicas not compared here ({size / 1e6:.0f} MB to read): `upd verify` checks that they agree"]
+    return replica_findings(replica_checks(run.ranks)), []
+
+
+def _stats_if_any(run) -> pd.DataFrame | None:
+    """The statistics table when the run recorded one (its zero fractions and state statistics feed the findings)."""
+    if not any(opt.committed_stats_steps().size for opt in run.optimizers):
+        return None
+    return run.stats()
+
+
 def analyze(run, out_dir=None, *, thresholds: Thresholds = Thresholds(), hist_step: int | None = None,
-            all_params: bool = False, plots: bool | None = None) -> Analysis:
+            all_params: bool = False, plots: bool | None = None, metric: str = "std", progress=None) -> Analysis:
     """Compute ratios and the summary of a run (path, or an open Run or Job).
 
     plots: draw the figures (default: when out_dir is given); their PNG bytes are in ``.images``. out_dir: write
     summary.csv there, and the PNGs when drawn (the folder is created if needed, never emptied). hist_step: the
     histograms' step (default: the first, middle and last full records); ValueError, before any work, when the
-    run has no full-tensor record at that step."""
+    run has no full-tensor record at that step. metric: the update:data figure's ratio, "std" (Karpathy's),
+    "rms" (||update||_F / ||weight||_F) or "spectral" (||update||_2 / ||weight||_2, full records only).
+    progress: called with the name of each stage of the work as it starts (a progress line)."""
+    if metric not in METRICS:
+        raise ValueError(f"metric must be one of {', '.join(METRICS)}, got {metric!r}")
+    stage = progress or (lambda label: None)
     plots = out_dir is not None if plots is None else plots
     own = not isinstance(run, (Run, Job))
     if own:
@@ -79,14 +135,23 @@ def analyze(run, out_dir=None, *, thresholds: Thresholds = Thresholds(), hist_st
         params = run.params()
         full_steps = full_record_steps(run, histogram_keys(params, all_params))
         hist_steps = compared_steps(full_steps, hist_step)
+        stage("computing the ratios")
         ratios = run.ratios()
-        summary = summarize(ratios, params, thresholds)
+        spectral, too_large = spectral_rows(run)
+        metrics = metrics_table(ratios, spectral)
+        summary = with_metric_medians(summarize(ratios, params, thresholds), metrics)
+        rules = AlertRules(low=thresholds.low, high=thresholds.high)
+        findings = find(ratios, params, summary, scalars=run.scalars(), stats=_stats_if_any(run), rules=rules)
+        replicas, replica_notes = replica_check(run)
+        findings = sorted(findings + replicas, key=lambda f: -f.severity)
         images = {}
         if plots:
             from .plots import render_all  # matplotlib is imported only when plots are asked for
 
             images = render_all(run, ratios, summary, thresholds=thresholds, hist_steps=hist_steps,
-                                all_params=all_params, sample=estimated_from_samples(ratios, run.options))
+                                all_params=all_params, sample=estimated_from_samples(ratios, run.options),
+                                metric=METRICS[metric], metrics=metrics,
+                                drawing=lambda name: stage(f"drawing {name}"))
         written = []
         if out_dir is not None:
             make_output_dir(out_dir)
@@ -97,7 +162,9 @@ def analyze(run, out_dir=None, *, thresholds: Thresholds = Thresholds(), hist_st
                 written.append(path)
             write_csv(summary, os.path.join(out_dir, SUMMARY_CSV))  # spreadsheet-safe cells
         return Analysis(ratios=ratios, summary=summary, plots=written, images=images, hist_steps=hist_steps,
-                        notes=source_notes(ratios, full_steps, hist_steps) + sample_notes(ratios, run.options))
+                        notes=source_notes(ratios, full_steps, hist_steps) + sample_notes(ratios, run.options)
+                        + replica_notes + spectral_notes(too_large),
+                        findings=findings, metrics=metrics, rules=rules)
     finally:
         if own:
             run.close()

@@ -87,12 +87,6 @@ def summarize_clipping(scalars: pd.DataFrame) -> list[ClippingSummary]:
     return out
 
 
-def clipping_summary(run, optimizer: int = 0) -> ClippingSummary | None:
-    """The ClippingSummary of one optimizer of an open run (or job); None when the norms were not recorded."""
-    found = [s for s in summarize_clipping(run.scalars()) if s.optimizer == optimizer]
-    return found[0] if found else None
-
-
 def clipping_lines(run) -> list[str]:
     """The lines ``upd info`` and ``upd analyze`` print: one per optimizer whose norms were recorded."""
     return [s.text() for s in summarize_clipping(run.scalars()) if not math.isnan(s.median_norm_backward)]

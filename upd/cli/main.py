@@ -14,7 +14,16 @@ from .common import EXIT_CODES, ErrorLineGroup
 # Each command's module, imported when the command runs (or --help lists it): `upd info` then imports neither the
 # replay engine nor the recorder, nor torch with them.
 COMMANDS = {"info": ".info", "analyze": ".analyze", "verify": ".verify", "demo": ".demo", "record": ".record",
-            "compare": ".compare"}
+            "compare": ".compare", "advise": ".advise"}
+
+
+# What `upd --help` lists for each command (click would cut each docstring's first sentence at 45 characters).
+SUMMARIES = {"info": "what a run file (or a distributed job) holds",
+             "analyze": "update:data and grad:data ratios: table, plots, HTML report",
+             "compare": "two or more runs side by side, weight by weight",
+             "verify": "replay the optimizer's math against the recorded updates",
+             "demo": "train a small model, record it, analyze it, verify it",
+             "record": "record a training program without editing it: RUN -- COMMAND"}
 
 
 class _CommandsWhenUsed(ErrorLineGroup):
@@ -24,7 +33,9 @@ class _CommandsWhenUsed(ErrorLineGroup):
     def get_command(self, ctx, name):
         if name not in COMMANDS:
             return None
-        return getattr(importlib.import_module(COMMANDS[name], __package__), name)
+        command = getattr(importlib.import_module(COMMANDS[name], __package__), name)
+        command.short_help = command.short_help or SUMMARIES.get(name)
+        return command
 
 
 @click.group(cls=_CommandsWhenUsed, epilog=EXIT_CODES, context_settings={"help_option_names": ["-h", "--help"]})
@@ -39,6 +50,7 @@ def main():
       upd analyze RUN    update:data and grad:data ratios, summary, plots
       upd compare A B    runs side by side per weight (good vs bad init, lr A vs lr B)
       upd verify RUN     replay the optimizer's math against the recorded updates
+      upd advise RUN     per-layer learning-rate advice from the update:data ratios
       upd demo           train a small character-level model, record, analyze, verify
       upd record RUN     record a training program without editing it: upd record RUN -- COMMAND
 

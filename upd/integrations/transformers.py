@@ -12,9 +12,8 @@ call on every process; its ``ranks=`` rules decide which ones write (rank 0 alon
 
 The Trainer's own logs (loss, learning_rate, grad_norm, epoch, ...: every number of each ``on_log``) are logged
 into the run like ``rec.log(..., after_step=True)``: they belong to the optimizer step just completed, and
-``run.steps()`` and ``run.scalars()`` show them. ``trainer_logs`` reads them back as the Trainer's ``log_history``
-(also from runs written before, which kept it in the root attribute ``trainer_logs``). transformers is imported
-here only, and only this module needs it.
+``run.steps()`` and ``run.scalars()`` show them. ``trainer_logs`` reads them back as the Trainer's ``log_history``.
+transformers is imported here only, and only this module needs it.
 
 The integrations the Trainer reports to (``report_to=["wandb"]``, ``["mlflow"]``, ``["tensorboard"]``) get the
 statistics live, with no configuration: into the same run the Trainer logs to (``wandb.run``, MLflow's active run,
@@ -34,6 +33,9 @@ from ..recorder import record
 from ..recorder.logged_scalars import name_problem, scalar_problem
 from ..runfile import schema
 from ..runfile.reader import open_run
+from ..sinks import TensorBoard
+from ..sinks.mlflow import MLflow
+from ..sinks.wandb import WandB
 from ._callback_base import IdleSink, RecorderCallback, ShiftedSink, step_offset
 
 # Works before torch-upd itself is installed from a clone, where "torch-upd[transformers]" cannot be resolved.
@@ -142,8 +144,6 @@ class UpdCallback(RecorderCallback, _CallbackBase):
 def _wandb_sink(offset: int):
     import wandb
 
-    from ..sinks.wandb import WandB
-
     return None if wandb.run is None else WandB(wandb.run, step_metric=WANDB_STEP, step_offset=offset)
 
 
@@ -158,8 +158,6 @@ def logging_interval(args) -> int:
 def _mlflow_sink(offset: int, every: int):
     import mlflow
 
-    from ..sinks.mlflow import MLflow
-
     active = mlflow.active_run()  # the Trainer's MLflowCallback started it on this thread
     if active is None:
         return None
@@ -168,8 +166,6 @@ def _mlflow_sink(offset: int, every: int):
 
 
 def _tensorboard_sink(callbacks: list, offset: int):
-    from ..sinks import TensorBoard
-
     # A writer of its own in the TensorBoardCallback's log dir (TensorBoard shows one run per folder): that callback
     # closes its writer in on_train_end, before this callback's on_train_end closes the recorder, whose last steps
     # are then still to be written.
@@ -184,9 +180,8 @@ def trainer_logs(run_or_path) -> pd.DataFrame:
     ``learning_rate``, ``grad_norm``, ``epoch``, ...; NaN where a call did not log that name). Empty for a run
     recorded without UpdCallback. Accepts an open run or job, or a path.
 
-    Runs recorded by earlier versions kept the log history in the root attribute ``trainer_logs``: read from
-    there. Now the logs are the run's logged scalars (``run.scalars()``, whose ``step`` is the recorder's: one less
-    than the Trainer's ``global_step``), less the recorder's own total gradient norms."""
+    The logs are the run's logged scalars (``run.scalars()``, whose ``step`` is the recorder's: one less than the
+    Trainer's ``global_step``), less the recorder's own total gradient norms."""
     if isinstance(run_or_path, (str, os.PathLike)):
         with open_run(run_or_path) as run:
             return trainer_logs(run)
@@ -194,20 +189,6 @@ def trainer_logs(run_or_path) -> pd.DataFrame:
     ranks = getattr(run, "ranks", None)
     if isinstance(ranks, dict):  # a job: every recording rank stored the same logs
         return trainer_logs(ranks[min(ranks)]) if ranks else pd.DataFrame(columns=["step"])
-    check = run._validator()
-    logs = check.json_attr(run._file, schema.ATTR_TRAINER_LOGS, "root", list, default=None, required=False)
-    if logs is None:
-        return _logged_by_trainer(run)
-    if not all(isinstance(entry, dict) for entry in logs):
-        raise check.fail("root", f"attribute '{schema.ATTR_TRAINER_LOGS}' is not a JSON list of objects")
-    table = pd.DataFrame(logs)
-    if "step" not in table:
-        table["step"] = pd.Series(dtype="int64")
-    return table[["step"] + [c for c in table.columns if c != "step"]]
-
-
-def _logged_by_trainer(run) -> pd.DataFrame:
-    """trainer_logs() of a run whose callback logged into the scalars table: its rows, steps as the Trainer counts."""
     scalars = run.scalars()
     scalars = scalars[scalars["optimizer"] == 0] if len(scalars) else scalars
     names = [c for c in scalars.columns

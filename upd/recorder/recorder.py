@@ -37,7 +37,7 @@ from .naming import ParamNames, is_selected, model_names, named_parameters, patt
 from .resume import has_step_counter, initial_step, resume_problems
 from .sampled_stats import SampledPool, SampledStep
 from .snapshots import (cpu_copy, dtensor_class, hparams_snapshot, local_part, refuse_unlike_param,
-                        shard_layout, state_snapshot)
+                        shard_layout, state_snapshot, wait_for_copies)
 
 
 def eager(hook):
@@ -231,7 +231,8 @@ class Recorder:
             feed = {"on_written": self._sinks.records_written} if self._sinks is not None and self._job_scalars is None \
                 else {}
             self._writer = AsyncRunWriter(self.path, meta, overwrite=overwrite, storage_dtype=dtype,
-                                          compression=compression, resume=resume, max_pending=2, **feed)
+                                          compression=compression, resume=resume, max_pending=2,
+                                          before_full_write=wait_for_copies, **feed)
         except FileExistsError:
             # Refusing to overwrite is the answer the user asked for (overwrite= defaults to False to protect an
             # earlier run): raised, before the first step, like a bad option value.
@@ -891,7 +892,11 @@ class Recorder:
         return self._flight.dumps if self._flight is not None else []
 
     def close(self) -> None:
-        """Remove every hook and close the file. Safe to call twice, and after recording stopped on an error."""
+        """Remove every hook and close the file. Safe to call twice, and after recording stopped on an error.
+        A recorder inherited through fork closes nothing: the file and its writer thread are the parent's."""
+        if not lifetime.owned_here(self):
+            self.active = False
+            return
         was_active = self.active
         if was_active:
             for opt_index in list(self._scalar_rows):

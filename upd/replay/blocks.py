@@ -5,7 +5,7 @@ Most optimizers are elementwise: each element's new value depends on that elemen
 state and on scalars (lr, the step's bias corrections). Their replay can then run on any part of a tensor, and
 verify runs it on parts of two sizes:
 
-- a *block* (at most ``BLOCK_ELEMENTS`` elements of one row, a contiguous range that HDF5 reads as one
+- a *block* (at most ``runfile.tensor_blocks.BLOCK_ELEMENTS`` elements of one row, a contiguous range that HDF5 reads as one
   hyperslab) bounds memory: a 200 MB parameter is read and replayed a block at a time, and several rows of a small
   parameter are read at once (one HDF5 call per dataset instead of one per row);
 - a *chunk* (``CHUNK_ELEMENTS``) is what one call of the rule sees: small enough that the rule's float64
@@ -22,7 +22,6 @@ dimension. A rule with a state entry shaped neither like the parameter nor as a 
 """
 from __future__ import annotations
 
-import itertools
 import math
 from dataclasses import dataclass, field
 
@@ -31,40 +30,11 @@ import torch
 
 from ..runfile import schema
 from ..runfile.errors import RunFileError
-from .registry import NotReplayable, ReplayRuleError, UnusableRecord
+from . import hparams
+from .registry import STEP_KEY, NotReplayable, ReplayRuleError, UnusableRecord
 
-# Elements of one row read and replayed at once: float64 working copies of a block take 8 bytes per element each.
-BLOCK_ELEMENTS = 1 << 21
 # Elements per call of an elementwise rule: its float64 temporaries (a dozen of 256 KB) stay in a 1 MB L2 cache.
 CHUNK_ELEMENTS = 1 << 15
-
-
-def element_blocks(shape: tuple, limit: int, whole_rows: bool = False) -> list[tuple]:
-    """Index tuples over a tensor of `shape`, in order, each selecting a contiguous run of at most `limit` elements
-    (or one row along dimension 0 when a row is larger and `whole_rows`, one element at least)."""
-    numel = math.prod(shape)
-    if not shape or numel == 0 or numel <= limit:
-        return [()]
-    k = 0
-    while not whole_rows and k < len(shape) - 1 and math.prod(shape[k + 1:]) > limit:
-        k += 1
-    inner = math.prod(shape[k + 1:])
-    size = max(1, limit // inner)
-    return [(*outer, slice(lo, min(lo + size, shape[k])))
-            for outer in itertools.product(*(range(d) for d in shape[:k]))
-            for lo in range(0, shape[k], size)]
-
-
-def block_shape(shape: tuple, index: tuple) -> tuple:
-    """The shape of tensor[index] for an index from element_blocks."""
-    out = []
-    for i, d in enumerate(shape):
-        if i < len(index):
-            if isinstance(index[i], slice):
-                out.append(len(range(*index[i].indices(d))))
-        else:
-            out.append(d)
-    return tuple(out)
 
 
 def identical(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -288,19 +258,29 @@ class Tile:
         self.present = p.state_present(rows) if state_keys else np.zeros((rows.stop - rows.start, 0), bool)
         self.state = {}
         self._path = path
+        self.state_keys = state_keys
         for i, key in enumerate(state_keys):
             if self.present[:, i].any():
                 self.state[key] = self._read_state(key, rows, index if key in elementwise_keys else ())
-        self.state_keys = state_keys
 
     def _read_state(self, key, rows, index):
         try:
-            return self.p.read_part(f"{schema.STATE_GROUP}/{key}", rows, index)
+            values = self.p.read_part(f"{schema.STATE_GROUP}/{key}", rows, index)
         except RunFileError:
             if key not in self.p._group[schema.STATE_GROUP]:
                 raise RunFileError(f"{self._path}: state {key!r} of parameter {self.p.name!r} (optimizer "
                                    f"{self.p.optimizer.index}) is marked present but has no dataset") from None
             raise
+        if key == STEP_KEY:  # every step counter enters the replay here: checked before a rule sees one
+            counters = values.detach().double().cpu().numpy().reshape(values.shape[0], -1)
+            present = self.present[:counters.shape[0], self.state_keys.index(key)]
+            steps = self.p.optimizer.steps
+            try:
+                hparams.check_step_counters(counters[present], int(np.max(steps)) if len(steps) else 0)
+            except hparams.BadHyperparameter as exc:
+                raise RunFileError(f"{self._path}: parameter {self.p.name!r} (optimizer {self.p.optimizer.index}): "
+                                   f"{exc}") from None
+        return values
 
     def state_at(self, row: int) -> dict:
         i = row - self.start

@@ -15,11 +15,11 @@ import pandas as pd
 import torch
 
 from .. import exit_codes
-from ..runfile import encoding, schema
+from ..runfile import encoding, schema, tensor_blocks
 from ..runfile.job import Job
 from ..runfile.reader import OptimizerRun, ParamRecord, Run, RunFileError, open_run
 from ..runfile.record import holds_part
-from . import batch, blocks, parallel, skipped_steps
+from . import batch, blocks, hparams, parallel, skipped_steps
 from .explain import explain
 from .registry import (NotReplayable, ReplayRule, ReplayRuleError, check_tolerances, lookup, registered,
                        same_shape)
@@ -209,7 +209,7 @@ class VerifyReport:
 
 
 def verify(run, *, rtol: float | None = None, ulps: float | None = None, jobs: int = 1,
-           rule_modules=()) -> VerifyReport:
+           rule_modules=(), progress=None) -> VerifyReport:
     """Replay every recorded step of every optimizer and compare with the recorded result.
 
     ``run`` is a path or an open ``upd.Run`` or ``Job`` (a distributed job: every rank's file is replayed as it is,
@@ -217,7 +217,8 @@ def verify(run, *, rtol: float | None = None, ulps: float | None = None, jobs: i
     rule's documented tolerance (finite, >= 0: ValueError otherwise). ``jobs``: processes sharing the parameters
     and their steps, this one and jobs - 1 workers (parallel.py; ``rule_modules``: modules the workers import for
     rules registered outside the run's own rule modules). Raises ``RunFileError`` for an unusable file and
-    ``upd.replay.ReplayRuleError`` when a replay rule raises (a bug in the rule).
+    ``upd.replay.ReplayRuleError`` when a replay rule raises (a bug in the rule). ``progress``: called as
+    ``progress(done, total)`` while replaying, in recorded elements (a parameter's size times its rows; a progress bar).
     """
     check_tolerances(rtol, ulps)
     if not isinstance(jobs, int) or jobs < 1:
@@ -230,6 +231,15 @@ def verify(run, *, rtol: float | None = None, ulps: float | None = None, jobs: i
         files = job.ranks if job is not None else {None: run}
         replays = {(rank, opt.index): OptimizerReplay.of(file, opt, rtol=rtol, ulps=ulps)
                    for rank, file in files.items() for opt in file.optimizers}
+        total = sum(p.numel * p.num_rows for file in files.values() for opt in file.optimizers
+                    for p in opt.param_records.values())
+        done = [0]
+
+        def replayed(p: ParamRecord) -> None:
+            done[0] += p.numel * p.num_rows
+            if progress is not None:
+                progress(done[0], total)
+
         found = _parallel(files, replays, jobs, rule_modules, rtol, ulps) if jobs > 1 and not run.live else None
         checks, problems = [], []  # checks: (rank or None, Check)
         per_param: dict[tuple[int, str], tuple[ParamRecord, list]] = {}  # for the precision notes, over ranks
@@ -244,7 +254,8 @@ def verify(run, *, rtol: float | None = None, ulps: float | None = None, jobs: i
                 coverage = _coverage(opt)
                 if coverage and coverage not in problems:
                     problems.append(coverage)
-                computed = optimizer_checks(replay, list(opt.param_records.values())) if found is None else None
+                computed = optimizer_checks(replay, list(opt.param_records.values()), replayed=replayed) \
+                    if found is None else None
                 for p in opt.param_records.values():
                     param_found = (found[(file.path, opt.index, p.name)] if found is not None
                                    else computed[p.name])
@@ -280,7 +291,8 @@ def _parallel(files: dict, replays: dict, jobs: int, rule_modules, rtol, ulps) -
         return {}
     units = parallel.split_rows(units, jobs)
     runs = {file.path: file for file in files.values()}  # this process replays too
-    found = parallel.parallel_checks(units, min(jobs, len(units)), modules, runs=runs, rtol=rtol, ulps=ulps)
+    found = parallel.parallel_checks(checks_in, units, min(jobs, len(units)), modules, runs=runs, rtol=rtol,
+                                     ulps=ulps)
     out: dict = {}
     for (path, opt_index, name, _, _), checks in sorted(found.items(), key=lambda kv: kv[0][3]):  # rows in order
         out.setdefault((path, opt_index, name), []).extend(checks)
@@ -299,26 +311,52 @@ class OptimizerReplay:
     ulps: float | None = None
     _groups: dict = field(default_factory=dict)  # record -> that record's param groups, as rules take them
     # steps a fused optimizer skipped for GradScaler (an inf/NaN gradient), replayed as no change (skipped_steps)
-    skipped_steps: frozenset = frozenset()
+    found_inf_steps: frozenset = frozenset()
 
     @classmethod
     def of(cls, run: Run, opt: OptimizerRun, *, rtol=None, ulps=None) -> OptimizerReplay:
         return cls(run=run, opt=opt, rule=lookup(opt.class_name, opt.meta.get("mro", ()), run.torch_version),
                    state_recorded="state" in run.options.get("what", schema.WHAT_CHOICES), rtol=rtol, ulps=ulps,
-                   skipped_steps=skipped_steps.skipped_steps(opt))
+                   found_inf_steps=skipped_steps.skipped_steps(opt))
 
     def rule_at(self, step: int) -> ReplayRule:
         """The rule that replays optimizer step `step`: the optimizer's, or no change for a skipped step."""
-        return skipped_steps.unchanged(self.rule) if step in self.skipped_steps else self.rule
+        return skipped_steps.unchanged(self.rule) if step in self.found_inf_steps else self.rule
 
     def group(self, record: int, index: int) -> dict:
-        if record not in self._groups:
-            self._groups[record] = [replay_hparams(g) for g in self.opt.hparams(record)]
+        if record not in self._groups:  # the one place a recorded param group enters the replay: checked here
+            groups = []
+            for i, g in enumerate(self.opt.hparams(record)):
+                try:
+                    groups.append(hparams.checked_group(replay_hparams(g)))
+                except hparams.BadHyperparameter as exc:
+                    raise RunFileError(f"{self.run.path}: optimizer {self.opt.index}: records/hparams[{record}], "
+                                       f"param group {i}: {exc}") from None
+            self._groups[record] = groups
         groups = self._groups[record]
         if index >= len(groups):
             raise RunFileError(f"{self.run.path}: optimizer {self.opt.index}: records/hparams[{record}] has "
                                f"{len(groups)} param group(s), no group {index}")
         return groups[index]
+
+
+def checks_in(run, units: list, rtol, ulps, block_elements) -> list:
+    """The checks of each (optimizer index, parameter name, first row, end row) of an open run: the parameters
+    whose every row is in `units` replayed with the small ones together (optimizer_checks), the others row
+    range by row range."""
+    found = {}
+    for opt_index in dict.fromkeys(unit[0] for unit in units):
+        opt = next(o for o in run.optimizers if o.index == opt_index)
+        replay = OptimizerReplay.of(run, opt, rtol=rtol, ulps=ulps)
+        mine = [unit for unit in units if unit[0] == opt_index]
+        whole = [opt.param_records[name] for _, name, lo, hi in mine
+                 if lo == 0 and hi == opt.param_records[name].num_rows]
+        for name, checks in optimizer_checks(replay, whole, block_elements).items():
+            found[(opt_index, name, 0, opt.param_records[name].num_rows)] = checks
+        for unit in mine:
+            if unit not in found:
+                found[unit] = param_checks(replay, opt.param_records[unit[1]], block_elements, range(unit[2], unit[3]))
+    return [found[unit] for unit in units]
 
 
 def param_checks(replay: OptimizerReplay, p: ParamRecord, block_elements: int | None = None,
@@ -330,7 +368,7 @@ def param_checks(replay: OptimizerReplay, p: ParamRecord, block_elements: int | 
     The history is read and replayed in bounded blocks (blocks.py): memory stays within a few float64 copies of
     ``block_elements`` elements, whatever the parameter's size, unless the rule needs the whole tensor."""
     opt = replay.opt
-    block_elements = block_elements or blocks.BLOCK_ELEMENTS
+    block_elements = block_elements or tensor_blocks.BLOCK_ELEMENTS
     rows = range(p.num_rows) if rows is None else rows
     checks = {row: Check(optimizer=opt.index, param=p.name, record=int(p.records[row]),
                          step=int(opt.steps[int(p.records[row])])) for row in rows}
@@ -358,15 +396,27 @@ def param_checks(replay: OptimizerReplay, p: ParamRecord, block_elements: int | 
     return list(checks.values())
 
 
-def optimizer_checks(replay: OptimizerReplay, params: list, block_elements: int | None = None) -> dict[str, list]:
+def optimizer_checks(replay: OptimizerReplay, params: list, block_elements: int | None = None,
+                     replayed=None) -> dict[str, list]:
     """{name: param_checks(replay, p)} for parameters of one optimizer, the small parameters of each param group
     that share their records replayed together as one tensor (batch.py); the others, and every parameter of a
-    batch that cannot be replayed as one or whose check mismatches, one by one."""
-    block_elements = block_elements or blocks.BLOCK_ELEMENTS
+    batch that cannot be replayed as one or whose check mismatches, one by one. replayed(p): called once per
+    parameter when its checks are done (verify's progress)."""
+    block_elements = block_elements or tensor_blocks.BLOCK_ELEMENTS
+    replayed = replayed or (lambda p: None)
     out: dict[str, list] = {}
     for members in _batches(replay, params, block_elements):
         out.update(_batch_checks(replay, members))
-    return {p.name: out[p.name] if p.name in out else param_checks(replay, p, block_elements) for p in params}
+        for p, _ in members:
+            if p.name in out:
+                replayed(p)
+    checks = {}
+    for p in params:
+        if p.name not in out:
+            out[p.name] = param_checks(replay, p, block_elements)
+            replayed(p)
+        checks[p.name] = out[p.name]
+    return checks
 
 
 def _batches(replay: OptimizerReplay, params: list, block_elements: int) -> list[list]:
@@ -406,7 +456,7 @@ def _batch_checks(replay: OptimizerReplay, members: list) -> dict[str, list]:
     checks = {p.name: [Check(optimizer=opt.index, param=p.name, record=int(r), step=int(opt.steps[int(r)]))
                        for r in p.records] for p, _ in members}
     redo = set()
-    # rows read at once: the batch's elements of all of them within a block (blocks.BLOCK_ELEMENTS), as one by one
+    # rows read at once: the batch's elements of all of them within a block (tensor_blocks.BLOCK_ELEMENTS), as one by one
     per_read = max(1, plan.block_elements // sum(p.numel for p, _ in members))
     tiles: list = []
     try:
@@ -418,7 +468,8 @@ def _batch_checks(replay: OptimizerReplay, members: list) -> dict[str, list]:
             step = int(opt.steps[record])
             has_next = _next_row(first, opt, row, record) is not None
             where = f"optimizer {opt.index}, parameters {names[0]!r} and {len(names) - 1} more, step {step}"
-            results = batch.replay_row(replay.rule_at(step), tiles, row, has_next, replay.state_recorded, plan.elementwise_keys,
+            results = batch.replay_row(replay.rule_at(step), tiles, row, has_next, replay.state_recorded,
+                                       plan.elementwise_keys,
                                        replay.group(record, first.param_group or 0), step, plan.tol, where, path)
             for name, result in zip(names, results):
                 check = checks[name][row]
@@ -473,9 +524,9 @@ class _ReplayPlan:
         if rule.needs_whole_tensor or odd:
             cut, chunk = [()], None
         elif rule.needs_whole_rows:
-            cut, chunk = blocks.element_blocks(tuple(p.shape), block_elements, whole_rows=True), None
+            cut, chunk = tensor_blocks.element_blocks(tuple(p.shape), block_elements, whole_rows=True), None
         else:
-            cut, chunk = blocks.element_blocks(tuple(p.shape), block_elements), blocks.CHUNK_ELEMENTS
+            cut, chunk = tensor_blocks.element_blocks(tuple(p.shape), block_elements), blocks.CHUNK_ELEMENTS
         eps = storage_eps(p.storage_dtype(schema.KIND_PARAM_AFTER))
         reduced = eps > _SPACING["float32"]
         ulps = rule.ulps if replay.ulps is None else replay.ulps
@@ -503,7 +554,7 @@ def _replay_blocks(replay: OptimizerReplay, p: ParamRecord, plan: _ReplayPlan, t
     path = replay.run.path
     wanted = set(todo)
     for index in plan.blocks:
-        per_tile = max(1, plan.block_elements // max(1, math.prod(blocks.block_shape(tuple(p.shape), index))))
+        per_tile = max(1, plan.block_elements // max(1, math.prod(tensor_blocks.block_shape(tuple(p.shape), index))))
         for start in range(todo[0], todo[-1] + 1, per_tile):
             rows = [r for r in range(start, min(start + per_tile, p.num_rows)) if r in wanted]
             if not rows:
@@ -587,7 +638,7 @@ def _finish(check: Check, result: blocks.RowResult, replay: OptimizerReplay) -> 
     if result.skip_note is not None:
         check.note = result.skip_note
         return
-    if check.step in replay.skipped_steps:
+    if check.step in replay.found_inf_steps:
         check.note = skipped_steps.NOTE
     check.max_abs_err, check.err_to_tol = result.max_abs_err, result.err_to_tol
     check.update_rel_err = result.max_abs_err / result.recorded_scale if result.recorded_scale > 0 else math.nan

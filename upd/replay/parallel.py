@@ -24,6 +24,12 @@ import os
 import sys
 import time
 from concurrent.futures import ProcessPoolExecutor
+from typing import Callable
+
+import torch
+
+from ..runfile.reader import Run
+from .registry import load_plugins
 
 _RUNS: dict = {}  # per worker: path -> open Run
 _CLAIMS = None  # per worker: the shared flags of the tasks some process has taken
@@ -45,10 +51,6 @@ def worker_modules(rules, extra=()) -> list[str] | None:
 
 def _start(modules: list[str], claims) -> None:
     global _CLAIMS
-    import torch
-
-    from .registry import load_plugins
-
     torch.set_num_threads(1)  # one core per worker: the workers are the parallelism
     load_plugins(modules)
     _CLAIMS = claims
@@ -63,40 +65,18 @@ def _claim(claims, index: int) -> bool:
         return True
 
 
-def _checks_of(index: int, path: str, units: list, rtol, ulps, block_elements) -> tuple[list, int, float] | None:
-    """Worker: task `index`, the checks of each (optimizer index, parameter name, first row, end row) of the run
-    file at `path` (opened once per worker), with this process's id and the CPU seconds the task took; None when the
-    parent took the task first."""
-    from ..runfile.reader import Run
-
+def _checks_of(work: Callable, index: int, path: str, units: list, rtol, ulps,
+               block_elements) -> tuple[list, int, float] | None:
+    """Worker: task `index`, the checks `work` finds of each (optimizer index, parameter name, first row, end row) of
+    the run file at `path` (opened once per worker), with this process's id and the CPU seconds the task took; None
+    when the parent took the task first."""
     if not _claim(_CLAIMS, index):
         return None
     started = time.process_time()
     run = _RUNS.get(path)
     if run is None:
         run = _RUNS[path] = Run(path)
-    return checks_in(run, units, rtol, ulps, block_elements), os.getpid(), time.process_time() - started
-
-
-def checks_in(run, units: list, rtol, ulps, block_elements) -> list:
-    """The checks of each (optimizer index, parameter name, first row, end row) of an open run: the parameters
-    whose every row is in `units` replayed with the small ones together (engine.optimizer_checks), the others row
-    range by row range."""
-    from .engine import OptimizerReplay, optimizer_checks, param_checks
-
-    found = {}
-    for opt_index in dict.fromkeys(unit[0] for unit in units):
-        opt = next(o for o in run.optimizers if o.index == opt_index)
-        replay = OptimizerReplay.of(run, opt, rtol=rtol, ulps=ulps)
-        mine = [unit for unit in units if unit[0] == opt_index]
-        whole = [opt.param_records[name] for _, name, lo, hi in mine
-                 if lo == 0 and hi == opt.param_records[name].num_rows]
-        for name, checks in optimizer_checks(replay, whole, block_elements).items():
-            found[(opt_index, name, 0, opt.param_records[name].num_rows)] = checks
-        for unit in mine:
-            if unit not in found:
-                found[unit] = param_checks(replay, opt.param_records[unit[1]], block_elements, range(unit[2], unit[3]))
-    return [found[unit] for unit in units]
+    return work(run, units, rtol, ulps, block_elements), os.getpid(), time.process_time() - started
 
 
 def split_rows(units: dict, jobs: int) -> dict:
@@ -151,10 +131,12 @@ def _main_not_rerun():
                 main.__dict__.pop("__spec__", None)
 
 
-def parallel_checks(units: dict, jobs: int, modules: list[str], *, runs: dict | None = None, rtol=None, ulps=None,
-                    block_elements=None) -> dict:
+def parallel_checks(work: Callable, units: dict, jobs: int, modules: list[str], *, runs: dict | None = None,
+                    rtol=None, ulps=None, block_elements=None) -> dict:
     """{(path, optimizer index, name, first row, end row): cost} -> {same key: [Check]}, computed in `jobs`
-    processes: jobs - 1 workers and this one, given `runs` ({path: open Run}), or jobs workers.
+    processes: jobs - 1 workers and this one, given `runs` ({path: open Run}), or jobs workers. `work(run, units,
+    rtol, ulps, block_elements)` gives the checks of some units of an open run (engine.checks_in: a module-level
+    function, which the workers unpickle by name).
 
     This process takes tasks from the small end of the queue while the workers take them from the large end (a
     shared flag per task says who took it): until the worker server has started (it imports torch: seconds) the
@@ -179,7 +161,7 @@ def parallel_checks(units: dict, jobs: int, modules: list[str], *, runs: dict | 
     with ProcessPoolExecutor(max_workers=max(1, jobs - 1 if runs else jobs), mp_context=context,
                              initializer=_start, initargs=(modules, claims)) as pool:
         with _main_not_rerun():  # the workers start at the first submits
-            futures = [pool.submit(_checks_of, i, path, part, rtol, ulps, block_elements)
+            futures = [pool.submit(_checks_of, work, i, path, part, rtol, ulps, block_elements)
                        for i, (path, part) in enumerate(tasks)]
         here = os.getpid()
         for i in reversed(range(len(tasks))):  # the smallest tasks first
@@ -187,7 +169,7 @@ def parallel_checks(units: dict, jobs: int, modules: list[str], *, runs: dict | 
             if path not in runs or not _claim(claims, i):  # the workers have come this far
                 break
             started = time.process_time()
-            found = checks_in(runs[path], part, rtol, ulps, block_elements)
+            found = work(runs[path], part, rtol, ulps, block_elements)
             WORKER_CPU[here] = WORKER_CPU.get(here, 0.0) + time.process_time() - started
             results.update({(path, *unit): checks for unit, checks in zip(part, found)})
         for (path, part), future in zip(tasks, futures):

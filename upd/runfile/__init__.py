@@ -3,7 +3,8 @@
 Nothing outside this package names an HDF5 group, dataset or attribute: ask ``schema`` for the names.
 
 - ``schema``: the layout, declared once (docs/format.md states the same); ``encoding``: JSON and dtypes;
-- writing: ``record`` (the writer's input), ``writer``, ``async_writer``; ``livelock`` (reading while writing);
+- writing: ``record`` (the writer's input), ``writer``, ``datasets`` (new datasets as the schema declares them),
+  ``async_writer``; ``livelock`` (reading while writing); ``tensor_blocks`` (a stored tensor read in blocks);
 - reading: ``errors`` (RunFileError, the I/O edge), ``guards`` (HDF5 byte-level checks), ``validate`` (structure
   checks against the schema), ``reader`` (Run, OptimizerRun, ParamRecord), ``param_index`` (every parameter listed
   in one attribute, written at close), ``stats_table``;

@@ -48,6 +48,7 @@ import time
 import warnings
 import weakref
 from concurrent.futures import Future
+from typing import Callable
 
 import torch
 
@@ -105,10 +106,10 @@ class _Shared:
     """State the writer thread and the AsyncRunWriter share. The thread holds this, never the AsyncRunWriter itself,
     so an abandoned writer can be garbage collected."""
 
-    def __init__(self, writer, on_written=None):
+    def __init__(self, on_written=None):
         self.lock = threading.Lock()
         self.on_written = on_written  # called with each list of records once written (AsyncRunWriter's on_written=)
-        self.writer = writer
+        self.writer: RunWriter | None = None  # opened on the writer thread
         self.error: BaseException | None = None  # the first exception on the writer thread
         self.reported = False  # the error has been raised on a caller's thread
         self.records_written = 0
@@ -337,10 +338,11 @@ class AsyncRunWriter:
 
     ``AsyncRunWriter(path, meta, overwrite=..., storage_dtype=..., compression=..., max_pending=2)`` takes the
     RunWriter arguments and opens the file (on the writer thread; errors such as FileExistsError are raised here).
-    ``AsyncRunWriter(writer=run_writer, max_pending=2)`` wraps a RunWriter that is already open; it must not be
-    used directly afterwards. ``on_written``: a callable given each list of records once they are written (on the
-    writer thread, in the order written; its exceptions are warned about and stop the hook, never the file): how
-    the recorder feeds its live sinks without this module knowing them.
+    ``before_full_write``: called before a record with full tensors is queued, so that the writer thread never
+    reads a tensor still being copied (the recorder passes the wait for its non_blocking device-to-host copies).
+    ``on_written``: a callable given each list of records once they are written (on the writer thread, in the
+    order written; its exceptions are warned about and stop the hook, never the file): how the recorder feeds its
+    live sinks without this module knowing them.
 
     Same interface as RunWriter for the recorder: ``write(rec)``, ``set_attr(name, value)``,
     ``add_optimizer(index, meta)``, ``optimizer_meta(index)``, ``last_step(index)``, ``add_dump(info)``,
@@ -351,18 +353,18 @@ class AsyncRunWriter:
     exception).
     """
 
-    def __init__(self, *args, max_pending: int = 2, writer: RunWriter | None = None, on_written=None, **kwargs):
+    def __init__(self, *args, max_pending: int = 2, before_full_write: Callable[[], None] | None = None,
+                 on_written=None, **kwargs):
         if not isinstance(max_pending, int) or max_pending < 1:
             raise ValueError(f"max_pending must be a positive integer, got {max_pending!r}")
-        if writer is not None and (args or kwargs):
-            raise TypeError("pass either a RunWriter (writer=) or the arguments to open one, not both")
         self.max_pending = max_pending
-        self.path = os.fspath(writer.path if writer is not None else args[0] if args else kwargs["path"])
+        self._before_full_write = before_full_write
+        self.path = os.fspath(args[0] if args else kwargs["path"])
         self.blocked_seconds = 0.0
         self._closed = False
         self._close_lock = threading.RLock()  # a signal handler may call close() inside close()
         self._queue = _SnapshotQueue(maxsize=max_pending)
-        self._shared = _Shared(writer, on_written)
+        self._shared = _Shared(on_written)
         self._batch: _Batch | None = None  # the batch statistics-only records are appended to, once queued
         self._thread = threading.Thread(target=_worker, args=(self._queue, self._shared), daemon=True,
                                         name=f"upd-writer {os.path.basename(self.path)}")
@@ -370,12 +372,11 @@ class AsyncRunWriter:
         self._finalizer = weakref.finalize(self, _release, self._queue, self._thread, self._shared)
         self._finalizer.atexit = False  # exit is upd.lifetime's job: it drains and joins
         lifetime.writers.add(self)
-        if writer is None:
-            try:
-                self._call(_open_writer, self._shared, args, kwargs)
-            except BaseException:
-                self._shutdown()
-                raise
+        try:
+            self._call(_open_writer, self._shared, args, kwargs)
+        except BaseException:
+            self._shutdown()
+            raise
 
     # -- what the training thread sees ---------------------------------------------------------------------------
     @property
@@ -460,10 +461,8 @@ class AsyncRunWriter:
         error, if there was one; the record is then not written."""
         self._raise_if_failed()
         self._check_open("write()")
-        if rec.full:
-            from ..recorder.snapshots import wait_for_copies  # the recorder's CUDA copies, before this thread reads
-
-            wait_for_copies()
+        if rec.full and self._before_full_write is not None:
+            self._before_full_write()
         if _holdable(rec):
             batch = self._batch
             if batch is not None:
@@ -512,13 +511,6 @@ class AsyncRunWriter:
     def last_step(self, index: int):
         return self._call(_writer_method, self._shared, "last_step", index)
 
-    def __getattr__(self, name: str):
-        # Any other public method of the wrapped writer is forwarded the same way (RunWriter keeps growing).
-        shared = self.__dict__.get("_shared")
-        if name.startswith("_") or shared is None or not callable(getattr(type(shared.writer), name, None)):
-            raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
-        return functools.partial(self._call, _writer_method, shared, name)
-
     def _shutdown(self) -> None:
         with self._close_lock:
             if self._closed:
@@ -541,7 +533,10 @@ class AsyncRunWriter:
 
     def close(self) -> None:
         """Write everything queued, close the file and end the thread. Safe to call twice. Raises the writer
-        thread's first error if no call has raised it yet."""
+        thread's first error if no call has raised it yet. In a forked child (not the process that opened it) it
+        does nothing: the thread is the parent's, and so is the file."""
+        if not lifetime.owned_here(self):
+            return
         self._shutdown()
         shared = self._shared
         if shared.error is not None and not shared.reported:

@@ -29,7 +29,50 @@ def from_json(text: Any) -> Any:
         raise ValueError(f"expected a JSON string, found {type(text).__name__}")
     if len(text) > MAX_META_BYTES:
         raise ValueError(f"JSON attribute of {len(text)} bytes exceeds the {MAX_META_BYTES} byte limit")
+    if json_depth(text) > MAX_JSON_DEPTH:
+        # Everything that walks the parsed value (text cleaning for the terminal, comparisons) recurses: bounded
+        # here, before parsing, so neither the parser nor a later walk can exhaust the stack
+        raise ValueError(f"JSON nested deeper than {MAX_JSON_DEPTH} levels")
     return json.loads(text)
+
+
+MAX_JSON_DEPTH = 100  # a tensor hyperparameter of HDF5's largest rank (32) inside a group list nests about 35 deep
+_NESTING = np.zeros(256, np.int8)
+_NESTING[[ord("["), ord("{")]] = 1
+_NESTING[[ord("]"), ord("}")]] = -1
+
+
+_SIGNIFICANT = _NESTING != 0
+_SIGNIFICANT[[ord('"'), ord("\\")]] = True
+
+
+def json_depth(text: str) -> int:
+    """How deeply lists and objects nest in JSON text: brackets outside strings, counted with numpy over the
+    brackets, quotes and backslashes alone (no walk of the parsed value). Malformed text gets some number; the
+    parser refuses it afterwards."""
+    if "[" not in text and "{" not in text:
+        return 0
+    raw = np.frombuffer(text.encode("utf-8", "surrogatepass"), np.uint8)
+    where = np.flatnonzero(_SIGNIFICANT[raw])
+    chars = raw[where]
+    quote = chars == ord('"')
+    if "\\" in text:  # a quote is escaped when an odd run of backslashes ends right before it
+        m = chars.size
+        order = np.arange(m)
+        backslash = chars == ord("\\")
+        adjacent = np.zeros(m, bool)
+        adjacent[1:] = np.diff(where) == 1
+        continues = backslash & adjacent
+        continues[1:] &= backslash[:-1]
+        continues[0] = False
+        run_start = np.maximum.accumulate(np.where(backslash & ~continues, order, 0))
+        run_length = np.where(backslash, order - run_start + 1, 0)
+        before = np.zeros(m, np.int64)
+        before[1:] = np.where(backslash[:-1] & adjacent[1:], run_length[:-1], 0)
+        quote &= before % 2 == 0
+    inside = (np.cumsum(quote) % 2).astype(bool)  # from an opening quote up to its closing one
+    nesting = np.where(inside | quote, 0, _NESTING[chars]).astype(np.int64)
+    return int(np.cumsum(nesting).max()) if nesting.size else 0
 
 
 def jsonable(value: Any) -> Any:

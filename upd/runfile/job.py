@@ -11,7 +11,7 @@ module puts the slices back together, lazily, and only here:
   ``ranks="all"``: rank 0's copy is read, the others stay reachable through ``holders`` for the replica check);
 - records are aligned by optimizer step: the job holds the steps every rank file committed (a rank killed mid-run
   leaves the job readable up to the last step all files completed; ``missing_ranks`` says which ranks lack which);
-- statistics of sharded parameters are combined exactly from the per-shard statistics (``analyzer.shard_stats``).
+- statistics of sharded parameters are combined exactly from the per-shard statistics (``runfile.shard_stats``).
 
 Problems that make a job unreadable as a whole (a missing rank file, files of two world sizes, shards that do not
 tile their tensor) are RunFileErrors naming the rank and the file.
@@ -25,11 +25,12 @@ import numpy as np
 import pandas as pd
 import torch
 
-from ..analyzer.ratio_table import ratios_table
-from ..analyzer.shard_stats import ShardCombiner
+from .shard_stats import ShardCombiner
 from . import schema
 from .errors import RunFileError
 from .ranks import rank_files, rank_path
+from .validate import shape_problem
+from .ratio_table import ratios_table
 from .reader import (DEFAULT_BLOCK_BYTES, DUMP_COLUMNS, ParamHistory, ParamRecord, Run, RunReader, clip_rows,
                      describe_optimizer, steps_table)
 from .stats_table import stats_param_meta
@@ -78,6 +79,12 @@ def _int_list(value, length: int | None = None) -> tuple | None:
     return tuple(value)
 
 
+def _dtype_conflict(param, what: str, rank: int, found, expected) -> str:
+    return (f"{param.holders[rank].optimizer.run.path}: {what} of parameter {param.name!r} is stored as "
+            f"{str(found).replace('torch.', '')} on rank {rank}, {str(expected).replace('torch.', '')} on rank "
+            f"{param._readers[0]}: the shards of one tensor must agree")
+
+
 def tiling_problem(shape: tuple, boxes: list[tuple[tuple, tuple]]) -> str | None:
     """Why the boxes (offset, shape) do not tile a tensor of `shape` exactly once, or None. Empty boxes are ignored;
     identical boxes count once (replicated shards, HSDP)."""
@@ -115,11 +122,14 @@ def param_layout(metas: dict, parallelism: str | None = None) -> ParamLayout:
             raise ValueError(f"its ranks recorded different or malformed global shapes "
                              f"({', '.join(str(metas[r][GLOBAL_SHAPE])[:40] for r in ranks)})")
         shape = shapes.pop()
+        problem = shape_problem(list(shape))  # Python integers: [2**61 + 6, 8] must not wrap to 48 elements
+        if problem:
+            raise ValueError(f"its global {problem}")
         boxes = {}
         for r in ranks:
             local = _int_list(metas[r].get("shape"), len(shape))
             offset = _int_list(metas[r].get(OFFSET), len(shape))
-            if local is None or offset is None:
+            if local is None or offset is None or any(o + n > g for o, n, g in zip(offset, local, shape)):
                 raise ValueError(f"rank {r} recorded a shard shape {str(metas[r].get('shape'))[:40]} or offset "
                                  f"{str(metas[r].get(OFFSET))[:40]} that does not fit its global shape {list(shape)}")
             boxes[r] = (offset, local)
@@ -204,6 +214,12 @@ class JobParam(ParamHistory):
         self.shape = tuple(layout.shape)
         self.dtype = first.dtype
         self.param_group = first.param_group
+        if self.layout == SHARDED:  # one tensor: its shards are stored alike, or stitching would cast one silently
+            for kind in schema.TENSOR_KINDS:
+                stored = {r: self.holders[r].storage_dtype(kind) for r in self._readers}
+                if len(set(stored.values())) > 1:
+                    r = next(r for r in self._readers if stored[r] != stored[self._readers[0]])
+                    raise RunFileError(_dtype_conflict(self, repr(kind), r, stored[r], stored[self._readers[0]]))
         # Rows: the job's records (steps every rank committed) at which every rank read holds this parameter.
         job_steps = optimizer.steps
         present = np.ones(len(job_steps), dtype=bool)
@@ -263,6 +279,8 @@ class JobParam(ParamHistory):
                                    f"has shape {list(part.shape[1:])}, its shard {list(local)}")
             if out is None:
                 out = torch.empty((len(job_rows), *self.shape), dtype=part.dtype)
+            elif part.dtype != out.dtype:  # stitching would cast one shard silently
+                raise RunFileError(_dtype_conflict(self, kind, r, part.dtype, out.dtype))
             out[(slice(None), *(slice(o, o + s) for o, s in zip(offset, local)))] = part
         if out is None:  # a tensor with no elements: no rank holds any part of it
             out = torch.empty((len(job_rows), *self.shape))
@@ -288,6 +306,9 @@ class JobParam(ParamHistory):
                 whole = torch.empty(self.shape, dtype=states[self._readers[0]][key].dtype)
                 for r in self._readers:
                     offset, local = self._layout.boxes[r]
+                    if states[r][key].dtype != whole.dtype:
+                        raise RunFileError(_dtype_conflict(self, f"state {key!r}", r, states[r][key].dtype,
+                                                           whole.dtype))
                     whole[tuple(slice(o, o + s) for o, s in zip(offset, local))] = states[r][key]
                 out[key] = whole
         return out
@@ -427,7 +448,11 @@ class Job(RunReader):
                 raise RunFileError(f"{run.path}: named as rank {rank} of {self.world_size}, but its metadata says "
                                    f"{_dist_text(dist)}")
             value = dist.get("recording_ranks")
-            recording.add(schema.ALL_RANKS if value == schema.ALL_RANKS else tuple(value) if isinstance(value, list) else value)
+            if not (value == schema.ALL_RANKS or (isinstance(value, list) and value and all(
+                    isinstance(r, int) and not isinstance(r, bool) and 0 <= r < self.world_size for r in value))):
+                raise RunFileError(f"{run.path}: its metadata's recording_ranks {str(value)[:40]} is neither "
+                                   f"{schema.ALL_RANKS!r} nor a list of ranks below {self.world_size}")
+            recording.add(schema.ALL_RANKS if value == schema.ALL_RANKS else tuple(value))
         if len(recording) > 1:
             raise RunFileError(f"{self.path}: its rank files disagree on which ranks record "
                                f"({', '.join(sorted(map(str, recording)))}): they are not of one job")
@@ -520,7 +545,7 @@ class Job(RunReader):
     def stats(self) -> pd.DataFrame:
         """The per-step statistics table of the whole job: one row per (optimizer, param, step) at the steps every
         rank committed; a sharded parameter's statistics are those of the whole tensor, combined exactly from its
-        shards' (analyzer.shard_stats), the others as the rank they are read from recorded them. The ranks' tables
+        shards' (runfile.shard_stats), the others as the rank they are read from recorded them. The ranks' tables
         are read one after another: memory is that of one rank's table and the result."""
         combiners: dict[tuple, ShardCombiner] = {}
         added: dict[tuple, set] = {}

@@ -13,7 +13,10 @@ from __future__ import annotations
 import os
 import re
 
-_RANK_SUFFIX = re.compile(r"\.rank(\d+)-of-(\d+)$")
+# The one name of each rank: ASCII digits without leading zeros, as rank_path writes it. Any other spelling
+# (rank00-of-02, digits of another script) is not a rank file: two names for one rank would make the job depend on
+# the order a folder lists its files.
+_RANK_SUFFIX = re.compile(r"\.rank(0|[1-9][0-9]*)-of-([1-9][0-9]*)$")
 
 
 def rank_path(path: str, rank: int, world_size: int) -> str:
@@ -26,7 +29,7 @@ def rank_files(path: str) -> tuple[int, dict[int, str]]:
     """(world size, {rank: file}) of the rank files that exist for the job path `path`; (0, {}) when there are none.
 
     Files of two different world sizes for one path (a job restarted on another number of processes, into the same
-    path) are ambiguous: ValueError names them."""
+    path) are ambiguous, and a rank file that is a symlink is not followed: ValueError names them."""
     path = os.fspath(path)
     stem, ext = os.path.splitext(path)
     folder = os.path.dirname(path) or "."
@@ -43,7 +46,11 @@ def rank_files(path: str) -> tuple[int, dict[int, str]]:
         if match:
             rank, world = int(match.group(1)), int(match.group(2))
             if rank < world:
-                found.setdefault(world, {})[rank] = os.path.join(os.path.dirname(path), name)
+                file = os.path.join(os.path.dirname(path), name)
+                if os.path.islink(file):  # derived from the job's path, not typed by the user: never followed
+                    raise ValueError(f"{file}: a rank file of {path} is a symbolic link, which is never followed; "
+                                     "open it by its own name to read that file alone")
+                found.setdefault(world, {})[rank] = file
     if len(found) > 1:
         raise ValueError(f"{path}: rank files of several world sizes ({', '.join(map(str, sorted(found)))}); "
                          "move the files of the other job away")

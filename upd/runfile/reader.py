@@ -10,7 +10,6 @@ from __future__ import annotations
 import difflib
 import functools
 import os
-import warnings
 from functools import cached_property
 from typing import TYPE_CHECKING, Iterator
 
@@ -22,6 +21,7 @@ from .. import lifetime
 from . import encoding, livelock, param_index, schema, validate
 from .errors import Reading, RunFileError, phrase
 from .guards import GuardedFile
+from .ratio_table import ratios_table
 from .scalars_table import KEY_COLUMNS as SCALAR_KEY_COLUMNS, scalars_frame
 from .stats_table import committed_stats_rows, stats_frame, stats_param_meta
 from .validate import Validator, check_path, json_value, link_type
@@ -43,53 +43,6 @@ DUMP_COLUMNS = ["optimizer", "reason", "trigger_step", "steps", "wall_time"]
 
 _HPARAMS = f"{schema.RECORDS}/{schema.HPARAMS}"
 _CLOSURE_LOSSES = f"{schema.RECORDS}/{schema.CLOSURE_LOSSES}"
-
-
-def _deprecated(old: str, new: str, stacklevel: int = 3) -> None:
-    warnings.warn(f"{old} is deprecated and will be removed in the next release; use {new}", DeprecationWarning,
-                  stacklevel=stacklevel)
-
-
-class _TableMethod:
-    """What ``run.params``, ``run.steps`` and ``run.dumps`` return: call it for the table (the API's convention is
-    that every DataFrame comes from a method, like ``ratios()`` and ``stats()``).
-
-    These three were attributes before that convention: code that still uses one as the table (indexing,
-    ``len``, iteration, any DataFrame attribute) keeps working for one release, with a DeprecationWarning. The
-    table is read when the attribute is, as it was then, so a value kept past ``close()`` still holds it."""
-
-    __slots__ = ("_table", "_name", "_legacy")
-
-    def __init__(self, table, name: str, legacy=None):
-        self._table, self._name = table, name
-        self._legacy = table if legacy is None else legacy
-
-    def __call__(self) -> pd.DataFrame:
-        return self._table
-
-    def _old_value(self):
-        _deprecated(f"Run.{self._name} used as an attribute", f"Run.{self._name}() (a method call)", stacklevel=4)
-        return self._legacy
-
-    def __getattr__(self, name):
-        return getattr(self._old_value(), name)
-
-    def __getitem__(self, key):
-        return self._old_value()[key]
-
-    def __len__(self) -> int:
-        return len(self._old_value())
-
-    def __iter__(self):
-        return iter(self._old_value())
-
-    def __eq__(self, other):
-        return self._old_value() == other
-
-    __hash__ = None
-
-    def __repr__(self) -> str:
-        return f"<bound table Run.{self._name}(): call it for the DataFrame>"
 
 
 class ParamHistory:
@@ -149,15 +102,22 @@ class ParamRecord(ParamHistory):
     def _open_listed(self) -> None:
         """Open a parameter listed by the parameter index, and check its group against the listing: what was shown
         from the index is what its data is read as, or the file is refused."""
-        group = self._open_group()
-        listed = self._listed
-        meta = validate.param_meta(self._check, group, self._where)
-        records, storage = self._load(group)
-        problem = ("its metadata differs from the index's" if meta != listed.meta else
-                   param_index.disagreement(listed, len(records), list(storage), storage.state_keys))
-        if problem:
-            raise self._check.fail(self._where, f"{problem} (the parameter index of optimizer "
-                                                f"{self.optimizer.index} does not describe this file)")
+        failed = self.__dict__.get("_open_failed")
+        if failed is not None:  # opened once, refused once: every later read gets the same refusal, no reopening
+            raise failed
+        try:
+            group = self._open_group()
+            listed = self._listed
+            meta = validate.param_meta(self._check, group, self._where)
+            records, storage = self._load(group)
+            problem = ("its metadata differs from the index's" if meta != listed.meta else
+                       param_index.disagreement(listed, len(records), list(storage), storage.state_keys))
+            if problem:
+                raise self._check.fail(self._where, f"{problem} (the parameter index of optimizer "
+                                                    f"{self.optimizer.index} does not describe this file)")
+        except RunFileError as exc:
+            self.__dict__["_open_failed"] = exc
+            raise
         self.__dict__.update(_group=group, records=records, _storage=storage)
 
     # A parameter listed by the parameter index opens its group at the first of these (see _open_listed); one read
@@ -182,11 +142,6 @@ class ParamRecord(ParamHistory):
     def num_rows(self) -> int:
         """Rows stored (one per committed record that holds this parameter); index them with ``read``."""
         return self._num_rows
-
-    @property
-    def rows(self) -> int:
-        _deprecated("ParamRecord.rows", "ParamRecord.num_rows")
-        return self.num_rows
 
     @property
     def numel(self) -> int:
@@ -457,32 +412,6 @@ class OptimizerRun:
             rows = committed_stats_rows(self)
             return self._group[schema.STATS][schema.COMMIT_COLUMN][:rows] if rows else np.zeros(0, np.int64)
 
-    # Names before the naming convention (see Run): kept one release, with a DeprecationWarning.
-    @property
-    def params(self) -> dict:
-        _deprecated("OptimizerRun.params", "OptimizerRun.param_records")
-        return self.param_records
-
-    @property
-    def step(self) -> np.ndarray:
-        _deprecated("OptimizerRun.step", "OptimizerRun.steps")
-        return self.steps
-
-    @property
-    def backward_pass(self) -> np.ndarray:
-        _deprecated("OptimizerRun.backward_pass", "OptimizerRun.backward_passes")
-        return self.backward_passes
-
-    @property
-    def wall_time(self) -> np.ndarray:
-        _deprecated("OptimizerRun.wall_time", "OptimizerRun.wall_times")
-        return self.wall_times
-
-    @property
-    def lr(self) -> np.ndarray:
-        _deprecated("OptimizerRun.lr", "OptimizerRun.learning_rates")
-        return self.learning_rates
-
     def __repr__(self) -> str:
         return (f"<OptimizerRun {self.index} {self.class_name}: {len(self.param_records)} params, "
                 f"{self.num_records} records>")
@@ -583,7 +512,10 @@ class Run(RunReader):
         self.closed_cleanly = check.json_attr(self._file, schema.ATTR_CLOSED_CLEANLY, "root", default=False,
                                               required=False) is True
         resumes = check.json_attr(self._file, schema.ATTR_RESUMES, "root", list, default=[], required=False)
-        self.resumes = [r for r in resumes if isinstance(r, dict)]  # one entry per resume=True session
+        # One entry per resume=True session. Informational: a field that is not what the writer puts there is
+        # unknown (None), never a reason to refuse a run that is otherwise whole.
+        self.resumes = [{**r, "created_unix": r.get("created_unix") if validate.is_unix_time(r.get("created_unix"))
+                         else None} for r in resumes if isinstance(r, dict)]
 
     def _reading(self, what: str) -> Reading:
         return Reading(self.path, what, getattr(self, "_raw", None))
@@ -603,28 +535,9 @@ class Run(RunReader):
         return Validator(self.path, self.size_bytes, getattr(self, "_raw", None))
 
     # -- overview ---------------------------------------------------------------------------------------------
-    # -- tables: every DataFrame is a method call (it reads the file); see _TableMethod for the old attributes ----
-    @property
-    def params(self) -> "_TableMethod":
-        """``run.params()``: one row per recorded parameter (optimizer, param, shape, numel, dtype, group, rows,
-        kinds, state)."""
-        return _TableMethod(self._params_table(), "params")
-
-    @property
-    def steps(self) -> "_TableMethod":
-        """``run.steps()``: one row per committed record (optimizer, record, step, backward_pass, wall_time, lr per
-        param group) and per step that logged scalars without a record, with one column per logged scalar
-        (``rec.log``); see ``steps_table``."""
-        return _TableMethod(self._steps_table(), "steps")
-
-    @property
-    def dumps(self) -> "_TableMethod":
-        """``run.dumps()``: the flight-recorder dumps, one row each (optimizer, reason, trigger_step, steps,
-        wall_time)."""
-        entries = self._dump_entries()
-        return _TableMethod(pd.DataFrame(entries, columns=DUMP_COLUMNS), "dumps", legacy=entries)
-
-    def _params_table(self) -> pd.DataFrame:
+    # -- tables: every DataFrame is a method call (it reads the file) --------------------------------------------
+    def params(self) -> pd.DataFrame:
+        """One row per recorded parameter (optimizer, param, shape, numel, dtype, group, rows, kinds, state)."""
         rows = [{"optimizer": p.optimizer.index, "param": p.name, "shape": p.shape, "numel": p.numel,
                  "dtype": p.dtype, "group": p.param_group, "rows": p.num_rows,
                  "kinds": ",".join(p.kinds), "state": ",".join(p.state_keys)}
@@ -641,8 +554,15 @@ class Run(RunReader):
         return pd.DataFrame(rows, columns=["optimizer", "param", "shape", "numel", "dtype", "group", "rows",
                                            "kinds", "state"])
 
-    def _steps_table(self) -> pd.DataFrame:
+    def steps(self) -> pd.DataFrame:
+        """One row per committed record (optimizer, record, step, backward_pass, wall_time, lr per param group) and
+        per step that logged scalars without a record, with one column per logged scalar (``rec.log``); see
+        ``steps_table``."""
         return steps_table(self.optimizers)
+
+    def dumps(self) -> pd.DataFrame:
+        """The flight-recorder dumps, one row each (optimizer, reason, trigger_step, steps, wall_time)."""
+        return pd.DataFrame(self._dump_entries(), columns=DUMP_COLUMNS)
 
     @property
     def size_bytes(self) -> int:
@@ -679,8 +599,6 @@ class Run(RunReader):
         one thread (torch.set_num_threads, restored when done): the sums are taken in chunks too small for its
         thread pool to pay off.
         """
-        from ..analyzer.ratio_table import ratios_table  # imports torch, which listing a run does not need
-
         with self._reading("the statistics table"):
             stats_rows = {opt.index: committed_stats_rows(opt) for opt in self.optimizers}
 

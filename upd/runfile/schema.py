@@ -23,7 +23,6 @@ ATTR_META = "meta"  # also the metadata attribute of every optimizer and paramet
 ATTR_PARAMS_NOT_OPTIMIZED = "params_not_optimized"
 ATTR_CLOSED_CLEANLY = "closed_cleanly"
 ATTR_RESUMES = "resumes"
-ATTR_TRAINER_LOGS = "trainer_logs"  # what a training framework logged (upd.integrations.transformers)
 
 # The root meta's entry in a file written by one rank of a distributed job (docs/format.md, "Distributed jobs"):
 # {"rank", "world_size", "recording_ranks": ALL_RANKS or a list, "parallelism": one of PARALLELISMS, "job_path"}.
@@ -108,7 +107,7 @@ MAX_META_BYTES = 16 * 1024 * 1024  # readers refuse larger JSON attributes rathe
 
 def param_key(name: str) -> str:
     """A parameter's name as the name of its group under PARAMS: '/' separates HDF5 path components, so '%' and '/'
-    are written '%25' and '%2F' (reversible: param_name; names written before this mapping used '|' for '/')."""
+    are written '%25' and '%2F' (reversible: param_name)."""
     return name.replace("%", "%25").replace("/", "%2F")
 
 
@@ -220,8 +219,7 @@ ROOT = Group(
     attrs=(Attr(ATTR_FORMAT, "string"), Attr(ATTR_VERSION, "int"), Attr(ATTR_META, "JSON object"),
            Attr(ATTR_PARAMS_NOT_OPTIMIZED, "JSON list", required=False),
            Attr(ATTR_CLOSED_CLEANLY, "JSON true", required=False),
-           Attr(ATTR_RESUMES, "JSON list", required=False),
-           Attr(ATTR_TRAINER_LOGS, "JSON list", required=False)),
+           Attr(ATTR_RESUMES, "JSON list", required=False)),
     datasets=(Dataset(FLIGHT_DUMPS, STRING, ("D",), "string", chunks=(64,), required=False),),
 )
 

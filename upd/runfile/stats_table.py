@@ -16,6 +16,7 @@ import numpy as np
 import pandas as pd
 
 from . import encoding, schema
+from .datasets import create_dataset, create_declared
 
 STATS_BLOCK_ROWS = 1024  # rows of the (steps, params, columns) table read at once
 VALUES_DTYPE = np.dtype(schema.STATS_TABLE.dataset(schema.VALUES).dtype)
@@ -75,11 +76,9 @@ class StatsTableWriter:
     ``commit(recs)`` then appends their steps: the commit protocol's two halves (writer.py flushes in between)."""
 
     def __init__(self, optimizer_group: h5py.Group):
-        from .writer import _create_declared  # writer.py imports this module
-
         if schema.STATS not in optimizer_group:
             st = optimizer_group.create_group(schema.STATS)
-            _create_declared(st, schema.STATS_TABLE)  # values: at the first row, when its width is known
+            create_declared(st, schema.STATS_TABLE)  # values: at the first row, when its width is known
             st.attrs[schema.STATS_PARAMS] = encoding.to_json([])
             st.attrs[schema.STATS_COLUMNS] = encoding.to_json([])
             st.attrs[schema.STATS_PARAM_META] = encoding.to_json({})
@@ -170,14 +169,12 @@ class StatsTableWriter:
             meta.update(dict(new_params))
             st.attrs[schema.STATS_PARAM_META] = encoding.to_json(meta)
         if self.values is None:
-            from .writer import _create
-
             # Chunks of up to 64 steps, at most 512 KiB: appends stay in HDF5's default 1 MiB chunk cache until the
             # chunk is full, and a 10,000-step table loads in a few dozen reads.
             decl = schema.STATS_TABLE.dataset(schema.VALUES)
             row_bytes = max(1, len(self.params)) * max(1, len(self.columns)) * np.dtype(decl.dtype).itemsize
             rows = int(min(64, max(1, (512 << 10) // row_bytes)))
-            self.values = _create(st, decl, shape=(0, len(self.params), len(self.columns)),
+            self.values = create_dataset(st, decl, shape=(0, len(self.params), len(self.columns)),
                                   chunks=(rows, max(1, len(self.params)), max(1, len(self.columns))))
             self._shapes["values"] = [0, len(self.params), len(self.columns)]
         elif self._shapes["values"][1] < len(self.params) or self._shapes["values"][2] < len(self.columns):

@@ -90,6 +90,11 @@ def is_int(value) -> bool:
     return isinstance(value, (int, np.integer)) and not isinstance(value, (bool, np.bool_))
 
 
+def is_unix_time(value) -> bool:
+    """A number datetime can show as a date (years 1..9999); NaN, infinities and 1e300 are not."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and -62135596800 < value < 253402300800
+
+
 def is_list_of_str(value) -> bool:
     return isinstance(value, list) and all(isinstance(v, str) for v in value)
 
@@ -144,6 +149,12 @@ class Validator:
                 return None
             self.hard_link(link, where)
             obj = self._open(group, name)
+            names = h5py.h5o.get_info(obj.id).rc
+        if names > 1:
+            # One object, one name: each name the reader follows costs its work again (a 10 MB meta under 500
+            # names), and no writer of the format gives an object a second name.
+            raise self.fail(where, f"is one object under {names} names (hard links); a run file names each object "
+                                   "once")
         if not isinstance(obj, kind):
             found = "group" if isinstance(obj, h5py.Group) else "dataset" if isinstance(obj, h5py.Dataset) \
                 else type(obj).__name__
@@ -438,8 +449,7 @@ def run_meta(check: Validator, file: h5py.File) -> dict:
     if not (version is None or (isinstance(version, str) and len(version) <= 100)):
         problem = "'torch_version' is not a version string"
     created = meta.get("created_unix")
-    if created is not None and not (isinstance(created, (int, float)) and not isinstance(created, bool)
-                                    and -62135596800 < created < 253402300800):  # datetime's years 1..9999
+    if created is not None and not is_unix_time(created):
         problem = f"'created_unix' {str(created)[:40]} is not a Unix time"
     options = meta.get("options", {})
     if not isinstance(options, dict):

@@ -23,6 +23,7 @@ import numpy as np
 import torch
 
 from . import encoding, param_index, schema
+from .datasets import create_dataset, create_declared
 from .full_rows import ParamRows, RecordRows, ScalarRows
 from .guards import SUPERBLOCK_BYTES, parse_superblock
 from .livelock import WriterLocks
@@ -30,29 +31,13 @@ from .record import ParamSnapshot, Record, param_meta
 from .stats_table import StatsTableWriter
 
 try:
+    import fcntl  # POSIX: HDF5's own lock is a flock
+except ImportError:  # pragma: no cover - Windows
+    fcntl = None
+try:
     import resource  # POSIX: the file-size limit counts as space
 except ImportError:  # pragma: no cover - Windows
     resource = None
-
-
-def _h5py_dtype(decl: schema.Dataset):
-    return h5py.string_dtype() if decl.dtype == schema.STRING else np.dtype(decl.dtype)
-
-
-def _create(group: h5py.Group, decl: schema.Dataset, **layout) -> h5py.Dataset:
-    """An empty dataset as the schema declares it, resizable along every axis; layout: the shape and chunks of a
-    dataset the writer sizes itself when it creates it."""
-    rank = decl.rank
-    return group.create_dataset(decl.name, shape=layout.get("shape", (0,) * rank), maxshape=(None,) * rank,
-                                dtype=_h5py_dtype(decl), chunks=layout.get("chunks", decl.chunks),
-                                fillvalue=decl.fill)
-
-
-def _create_declared(group: h5py.Group, layout: schema.Group) -> None:
-    """The datasets of a new group whose chunks the schema fixes; the others are created at their first row."""
-    for decl in layout.datasets:
-        if decl.chunks is not None:
-            _create(group, decl)
 
 
 def _truncate(group: h5py.Group, layout: schema.Group, rows: int) -> None:
@@ -91,6 +76,32 @@ def _text(value) -> str:
     return value.decode("utf-8") if isinstance(value, bytes) else str(value)
 
 
+def _lock_before_truncating(path: str) -> WriterLocks | None:
+    """The writer's lock on an existing run that overwrite=True is about to replace (None when there is no file):
+    OSError(EBUSY) when a recorder has it open for writing (torch-upd's lock), or any HDF5 writer (HDF5's own
+    exclusive lock), before a byte of it is truncated."""
+    try:
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))
+    except FileNotFoundError:
+        return None
+    try:
+        if fcntl is not None:
+            try:  # shared: a reader's shared lock is no obstacle, a writer's exclusive one is
+                fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+            except BlockingIOError:
+                raise OSError(errno.EBUSY, f"{path} is being written by another process; not replaced") from None
+            except OSError:
+                pass  # a filesystem without flock: torch-upd's own lock below still decides
+    finally:
+        os.close(fd)  # releases the flock: HDF5 takes its own
+    try:
+        return WriterLocks(path)
+    except OSError as exc:
+        if exc.errno == errno.EBUSY:
+            raise OSError(errno.EBUSY, f"{path} is being written by another process; not replaced") from None
+        raise
+
+
 class RunWriter:
     def __init__(self, path: str, meta: dict, *, overwrite: bool, storage_dtype: str, compression,
                  resume: bool = False):
@@ -119,11 +130,22 @@ class RunWriter:
                                   "replaces files, not what a link points to): remove the link or record to its target")
         parent = os.path.dirname(os.path.abspath(self.path))
         os.makedirs(parent, exist_ok=True)  # upd.record("runs/exp1.h5", ...) creates runs/
+        # overwrite=True: the run's lock first, then the truncation. HDF5 truncates before its own lock refuses a
+        # second writer, which would destroy a live run while its recorder goes on writing into nothing.
+        locks = _lock_before_truncating(self.path) if overwrite else None
         try:
             self.file = h5py.File(self.path, mode)
         except FileExistsError:
             raise FileExistsError(f"{self.path} exists; pass overwrite=True to replace it") from None
-        self._lock_file()
+        except BaseException:
+            if locks is not None:
+                locks.close()
+            raise
+        if locks is None:
+            self._lock_file()
+        else:
+            self._locks = locks
+            locks.begin()
         self.file.attrs[schema.ATTR_FORMAT] = schema.FORMAT_NAME
         self.file.attrs[schema.ATTR_VERSION] = schema.FORMAT_VERSION
         self.file.attrs[schema.ATTR_META] = encoding.to_json(meta)
@@ -213,7 +235,7 @@ class RunWriter:
         self._locks.begin()
         grp = self.file[schema.OPTIMIZERS].create_group(str(index))
         grp.attrs[schema.ATTR_META] = encoding.to_json(meta)
-        _create_declared(grp.create_group(schema.RECORDS), schema.RECORD_TABLE)
+        create_declared(grp.create_group(schema.RECORDS), schema.RECORD_TABLE)
         grp.create_group(schema.PARAMS)
         self._records_written[index] = 0
         self._flushed()
@@ -228,7 +250,7 @@ class RunWriter:
         meta = param_meta(snap, reference)
         grp.attrs[schema.ATTR_META] = encoding.to_json(meta)
         self._param_index.setdefault(optimizer, {})[key] = param_index.entry(key, meta)
-        _create_declared(grp, schema.PARAMETER)  # the record index and state_present; tensors at their first row
+        create_declared(grp, schema.PARAMETER)  # the record index and state_present; tensors at their first row
         st = grp.create_group(schema.STATE_GROUP)
         st.attrs[schema.STATE_KEYS] = encoding.to_json([])
         return grp
@@ -254,21 +276,23 @@ class RunWriter:
             ds.resize(row + 1, axis=0)
         ds[row] = value
 
-    def _check_space(self, rec: Record) -> int:
-        """Refuse a record the disk (or the process's file-size limit) cannot take, before writing any of it; return
-        the bytes it may need.
+    def _check_space(self, recs: list) -> int:
+        """Refuse records the disk (or the process's file-size limit) cannot take, before writing any of them;
+        return the bytes they may need. The slack for metadata growth is counted once per write, not once per
+        record: a batch of 64 statistics rows of ~160 bytes each needs tens of KB, not 64 times the slack.
 
         HDF5 updates metadata in place: a write that fails half-way (ENOSPC, EFBIG) can leave metadata pointing past
         the end of the file, and the whole run unreadable. Stopping one record early keeps every committed step."""
         nbytes, datasets = 0, 4
-        for snap in rec.params if rec.full else ():
-            for t in (snap.param, snap.grad, snap.param_after, *snap.state.values()):
-                if t is not None:
-                    nbytes += t.numel() * t.element_size()
-                    datasets += 1
-        if rec.stats is not None:
-            nbytes += 64 * len(rec.stats) * 4
-        nbytes += sum(8 * (len(values) + 2) for _, _, values in rec.scalars)
+        for rec in recs:
+            for snap in rec.params if rec.full else ():
+                for t in (snap.param, snap.grad, snap.param_after, *snap.state.values()):
+                    if t is not None:
+                        nbytes += t.numel() * t.element_size()
+                        datasets += 1
+            if rec.stats is not None:
+                nbytes += 64 * len(rec.stats) * 4
+            nbytes += sum(8 * (len(values) + 2) for _, _, values in rec.scalars)
         # Twice the data (chunk allocation, alignment) plus B-tree/heap growth per dataset touched, plus slack.
         need = 2 * nbytes + 4096 * datasets + (256 << 10)
         free = shutil.disk_usage(os.path.dirname(os.path.abspath(self.path))).free
@@ -311,7 +335,7 @@ class RunWriter:
         flush, all their commits, one flush. A kill at any moment leaves each of them wholly committed or absent."""
         recs = rec if isinstance(rec, list) else [rec]
         self._check_still_there()
-        need = sum(self._check_space(r) for r in recs)
+        need = self._check_space(recs)
         self._locks.begin()  # the reservation changes the file's length: a live reader must not be copying it
         self._reserve(need)
         full, stats, scalars = {}, {}, {}  # optimizer -> its full records / statistics records / scalar rows, in order
@@ -359,7 +383,7 @@ class RunWriter:
             opt = self._optimizer(optimizer)
             if schema.SCALARS not in opt:
                 table = opt.create_group(schema.SCALARS)
-                _create_declared(table, schema.SCALARS_TABLE)
+                create_declared(table, schema.SCALARS_TABLE)
                 table.attrs[schema.SCALAR_COLUMNS] = encoding.to_json([])
             found = self._scalar_rows[optimizer] = ScalarRows(opt[schema.SCALARS])
         return found
@@ -433,7 +457,7 @@ class RunWriter:
         """Append a flight-recorder dump (reason, trigger step, steps written) to /flight_dumps."""
         self._locks.begin()
         if schema.FLIGHT_DUMPS not in self.file:
-            _create(self.file, schema.ROOT.dataset(schema.FLIGHT_DUMPS))
+            create_dataset(self.file, schema.ROOT.dataset(schema.FLIGHT_DUMPS))
         ds = self.file[schema.FLIGHT_DUMPS]
         self._append(ds, ds.shape[0], encoding.to_json(info))
         self._flushed()

@@ -3,6 +3,7 @@
 Adafactor offers the for-loop and foreach implementations; Muon and SparseAdam only a for-loop (torch rejects
 foreach/fused/capturable/differentiable for them, and for Adafactor all but foreach).
 """
+import pytest
 import torch
 
 from . import Case
@@ -48,13 +49,14 @@ def muon_groups(groups):
 def _adafactor(opt_id, options, impl="forloop", **case):
     kwargs = dict(options, **ADAFACTOR_IMPLS[impl])
     return Case(f"adafactor-{opt_id}-{impl}" + (f"-{case['model']}" if "model" in case else ""),
-                lambda groups, kw=kwargs: torch.optim.Adafactor(groups, **kw), perturb=_perturb(options), **case)
+                lambda groups, kw=kwargs: torch.optim.Adafactor(groups, **kw), perturb=_perturb(options), impl=impl, **case)
 
 
 def _muon(opt_id, options, **case):
     return Case(f"muon-{opt_id}" + (f"-{case['model']}" if "model" in case else ""),
                 lambda groups, kw=options: torch.optim.Muon(muon_groups(groups), **kw),
-                perturb=_perturb(options, default_weight_decay=0.1), **case)
+                perturb=_perturb(options, default_weight_decay=0.1),
+                marks=[pytest.mark.slow], **case)  # a Muon verify takes 1-2 s: whole-tensor Newton-Schulz in float64
 
 
 def _sparseadam(opt_id, options):

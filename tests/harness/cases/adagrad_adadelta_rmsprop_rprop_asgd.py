@@ -64,7 +64,7 @@ def _cases(name, cls, option_sets, impls, uses_lr=True):
         for impl in impls:
             kwargs = dict(options, **IMPLS[impl])
             out.append(Case(f"{name}-{opt_id}-{impl}", lambda groups, cls=cls, kw=kwargs: cls(groups, **kw),
-                            perturb=_perturb(options, uses_lr)))
+                            perturb=_perturb(options, uses_lr), impl=impl))
     return out
 
 

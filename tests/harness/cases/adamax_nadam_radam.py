@@ -115,7 +115,7 @@ def _perturb(options):
 
 def _cases(name, cls, option_sets, steps=4):
     return [Case(f"{name}-{opt_id}-{impl}", _make(cls, dict(options, **IMPLS[impl])), steps=steps,
-                 perturb=_perturb(options))
+                 perturb=_perturb(options), impl=impl)
             for opt_id, options in option_sets.items() for impl in IMPLS]
 
 
@@ -126,7 +126,7 @@ CASES = (
     + _cases("nadam", torch.optim.NAdam, NADAM_OPTIONS)
     + _cases("radam", torch.optim.RAdam, RADAM_OPTIONS, steps=RADAM_STEPS)
     + [Case(f"radam-warm-wd-{impl}", _make(torch.optim.RAdam, dict(RADAM_WARM, **IMPLS[impl]), RADAM_WARMUP),
-            perturb=_perturb(RADAM_WARM)) for impl in IMPLS]
+            perturb=_perturb(RADAM_WARM), impl=impl) for impl in IMPLS]
     + [
         Case("adamax-wd-conv", _make(torch.optim.Adamax, dict(lr=2e-2, weight_decay=0.01)), model="conv",
              perturb=("update", "lr", "weight_decay")),

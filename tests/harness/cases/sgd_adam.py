@@ -33,7 +33,7 @@ def _cases(name, cls, option_sets, impls):
         for impl in impls:
             kwargs = dict(options, **IMPLS[impl])
             out.append(Case(f"{name}-{opt_id}-{impl}", lambda groups, cls=cls, kw=kwargs: cls(groups, **kw),
-                            perturb=_perturb(options)))
+                            perturb=_perturb(options), impl=impl))
     return out
 
 

@@ -1,15 +1,22 @@
-"""Update:data and grad:data ratios. Pure functions on tensors, plus the streaming DataFrame builder."""
+"""Update:data and grad:data ratios of a run's stored tensors (``Run.ratios()``, ``Job.ratios()``): pure functions
+on tensors, plus the streaming DataFrame builder.
+
+torch is imported by the functions that use it, as in encoding.py: opening and listing a run (``upd info``) imports
+no torch."""
 from __future__ import annotations
 
 import math
+from typing import TYPE_CHECKING
 
 import numpy as np
 import pandas as pd
-import torch
 
 from ..ratios import GRAD_TO_DATA, UPDATE_TO_DATA, grad_to_data, real_numbers, update_to_data
-from ..runfile import schema
 from ..torch_threads import one_torch_thread
+from . import schema, tensor_blocks
+
+if TYPE_CHECKING:
+    import torch
 
 RATIO_TABLE_COLUMNS = ["optimizer", "param", "record", "step", "lr", "numel", "update_to_data", "grad_to_data",
                  "update_std", "param_std", "grad_std", "update_norm", "grad_norm", "param_norm",
@@ -62,6 +69,8 @@ class RowSums:
     (a whole row and the same row read block by block give the same bits) and no temporary is the size of a row."""
 
     def __init__(self):
+        import torch
+
         self.buffers = [torch.empty(SUM_CHUNK, dtype=torch.float64) for _ in range(3)]
         self.filled = 0
         self.present = (False, False, False)
@@ -69,6 +78,8 @@ class RowSums:
         self.numbers = 0
 
     def add(self, before, after, grad) -> None:
+        import torch
+
         if after is not None and before is None:
             after = None  # no update without the parameter before the step
         self.present = (before is not None, after is not None, grad is not None)
@@ -91,6 +102,8 @@ class RowSums:
                 self._reduce()
 
     def _reduce(self) -> None:
+        import torch
+
         n, acc = self.filled, self.acc
         for k, (present, buffer) in enumerate(zip(self.present, self.buffers)):
             if present:
@@ -130,6 +143,8 @@ def block_ratios(before: torch.Tensor | None, after: torch.Tensor | None, grad: 
     The std and norm of the parameter, its update (after - before) and its gradient come from float64 sums and sums
     of squares taken over every row at once, SUM_CHUNK numbers per pass (float64 temporaries that stay in the CPU
     cache); a row whose sums cancel (a nearly constant tensor: |mean| >> std) gets the exact two-pass std."""
+    import torch
+
     data = [None if t is None else real_numbers(t).reshape(rows, -1) for t in (before, after, grad)]
     before, after, grad = data
     if before is None:
@@ -211,14 +226,15 @@ def _long_row_ratios(p, row: int, elements: int) -> dict[str, np.ndarray]:
     the row is split). The two rare extra passes read the row again block by block: the std of a row whose sums
     cancel is the two-pass std about the mean of the first pass (equal to ``torch.std`` of the whole row to float64
     rounding), and a gradient whose sums are not finite has its NaN/Inf elements counted."""
-    from ..replay.blocks import element_blocks  # a contiguous run of elements per index, as verify reads them
+    import torch
+
 
     kinds = [k if k in p.kinds else None for k in (schema.KIND_PARAM, schema.KIND_PARAM_AFTER, schema.KIND_GRAD)]
     if kinds[0] is None:
         kinds[1] = None  # no update without the parameter before the step
     if kinds[0] is None and kinds[2] is None:
         return block_ratios(None, None, None, 1)
-    indexes = element_blocks(p.stored_shape(kinds[0] or kinds[2]), elements)
+    indexes = tensor_blocks.element_blocks(p.stored_shape(kinds[0] or kinds[2]), elements)  # as verify reads them
     rows = slice(row, row + 1)
 
     def pieces(wanted=(0, 1, 2)):
@@ -255,13 +271,12 @@ def ratios_frame(run, block_bytes: int) -> pd.DataFrame:
 
 
 def _ratios_frame(run, block_bytes: int) -> pd.DataFrame:
-    from ..replay.blocks import BLOCK_ELEMENTS
 
     parts = []  # (optimizer, param, numel, records, steps, lr, stats)
     kinds = (schema.KIND_PARAM, schema.KIND_PARAM_AFTER, schema.KIND_GRAD)
     # Elements of one row read per kind at once, at most verify's block: a larger row is read in parts (reading
     # through the checked file object holds about two copies of what is read, and smaller reads stay in the cache).
-    elements = max(1, min(block_bytes // (4 * 3), BLOCK_ELEMENTS))
+    elements = max(1, min(block_bytes // (4 * 3), tensor_blocks.BLOCK_ELEMENTS))
     for opt in run.optimizers:
         lrs = opt.learning_rates
         for p in opt.param_records.values():

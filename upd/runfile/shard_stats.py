@@ -27,20 +27,6 @@ from ..statistics import STATE_PREFIX, STD, NONFINITE, finish, merge, split_colu
 from ..statistics import _values as _column
 
 
-def combine_tensor_stats(counts, stats: dict) -> dict:
-    """The statistics of the concatenation of shards, from each shard's.
-
-    counts: (H,) elements of each shard (0 for an empty shard, which contributes nothing). stats: {stat: (H, S)
-    array} with the names of ``upd.statistics.STATS``; returns {stat: (S,) array}. NaN in a shard's statistic (NaN/Inf
-    values, a count not taken) makes the combined statistic NaN, as it is on the whole tensor."""
-    rows = np.asarray(next(iter(stats.values()))).shape[1]
-    total = None
-    for i, count in enumerate(counts):
-        if count > 0:
-            total = merge(total, sufficient(int(count), {k: np.asarray(v)[i] for k, v in stats.items()}))
-    return finish(total, rows)
-
-
 def scalar_rows(counts, stats: dict) -> np.ndarray:
     """(S,) True where a state kind's statistics are those of a scalar every rank holds whole (Adam's ``step``), not
     of a shard: every shard of two or more elements reports no spread (std NaN) although it holds no NaN/Inf.
@@ -126,14 +112,3 @@ class ShardCombiner:
             frame[GRAD_TO_DATA] = grad_to_data(frame["grad_std"].to_numpy() if "grad_std" in frame else nan,
                                                param_std)
         return frame[[c for c in ["step"] + self.columns if c in frame]]
-
-
-def combine_shard_frames(shards: list[tuple[int, pd.DataFrame]]) -> pd.DataFrame:
-    """One parameter's statistics rows combined over its shards: (element count, rows) each, at the steps all have."""
-    if not shards:
-        return pd.DataFrame(columns=["step", "lr"])
-    steps = shards[0][1]["step"].to_numpy()
-    combiner = ShardCombiner(np.unique(steps))
-    for count, frame in shards:
-        combiner.add(count, frame)
-    return combiner.frame()

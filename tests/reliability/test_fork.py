@@ -1,0 +1,102 @@
+"""A recorder belongs to the process that made it: a forked child (a fork Pool's worker, `os.fork`) inherits it
+inert, and its exit or SIGTERM closes nothing of the parent's (upd/lifetime.py). Before this, a child's exit
+closed the inherited recorder and waited forever on a writer thread that exists only in the parent, and training
+hung; or it closed the parent's run from the child ("recording stopped" warnings in the child).
+
+Every scenario runs in one subprocess with a hard deadline, so a regression fails instead of hanging CI."""
+import subprocess
+import sys
+import textwrap
+
+import h5py
+import pytest
+
+import upd
+
+SCENARIOS = ("pool", "exit", "sigterm", "fallthrough")
+
+FORKS = textwrap.dedent("""
+    import multiprocessing, os, signal, sys, time, torch, upd
+    out = sys.argv[1]
+
+    def square(x):
+        return x * x
+
+    for layout in ("full", "stats"):                    # statistics-only batches were the ones that hung
+        for mode in %r:
+            torch.manual_seed(0)
+            model = torch.nn.Linear(4, 2)
+            opt = torch.optim.Adam(model.parameters(), lr=0.1)
+            def train(n):
+                for _ in range(n):
+                    model(torch.randn(2, 4)).sum().backward(); opt.step(); opt.zero_grad()
+            options = {"every": None, "stats_every": 1} if layout == "stats" else {}
+            parent = os.getpid()
+            with upd.record(f"{out}/{layout}-{mode}.h5", model, opt, **options) as rec:
+                train(3)
+                if mode == "pool":                      # terminate() at the block's end: SIGTERM to the workers
+                    with multiprocessing.get_context("fork").Pool(2) as pool:
+                        assert sum(pool.map(square, range(10))) == 285
+                elif mode == "exit":                    # a child that leaves through sys.exit (atexit runs)
+                    pid = os.fork()
+                    if pid == 0:
+                        sys.exit(0)
+                    assert os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]) == 0
+                elif mode == "sigterm":                 # SIGTERM to a child: the inherited handler closes nothing
+                    r, w = os.pipe()
+                    pid = os.fork()
+                    if pid == 0:
+                        os.write(w, b"x"); time.sleep(30); os._exit(3)
+                    os.read(r, 1)
+                    os.kill(pid, signal.SIGTERM)
+                    assert os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]) == -signal.SIGTERM
+                elif mode == "fallthrough":             # a child that trains on and leaves the `with` block itself
+                    pid = os.fork()
+                    if pid != 0:
+                        assert os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]) == 0
+                if os.getpid() == parent:
+                    train(2)
+                else:
+                    train(4)                            # the child's steps: the inherited recorder records none
+            if os.getpid() != parent:
+                assert not rec.active
+                os._exit(0)
+            print(layout, mode, rec.records, flush=True)
+""") % (SCENARIOS,)
+
+
+@pytest.mark.slow
+def test_forked_children_leave_the_parents_recorder_alone(tmp_path):
+    done = subprocess.run([sys.executable, "-c", FORKS, str(tmp_path)], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert "RecorderWarning" not in done.stderr and "Traceback" not in done.stderr, done.stderr
+    assert done.stdout.split("\n")[:-1] == [f"{layout} {mode} 5" for layout in ("full", "stats")
+                                            for mode in SCENARIOS], done.stdout
+    for layout in ("full", "stats"):
+        for mode in SCENARIOS:
+            path = str(tmp_path / f"{layout}-{mode}.h5")
+            with h5py.File(path, "r") as f:
+                assert f.attrs.get("closed_cleanly") == "true", path
+            with upd.open_run(path) as run:  # the parent's 5 steps, none of a child's
+                if layout == "full":
+                    assert run.optimizers[0].num_records == 5
+                else:
+                    assert sorted(run.stats()["step"].unique().tolist()) == [0, 1, 2, 3, 4]
+
+
+def test_an_inherited_recorder_is_not_owned_here(monkeypatch):
+    """The registry's ownership test, in process: an object registered under another pid is not ours."""
+    from upd import lifetime
+
+    class Closes:
+        closed = False
+
+        def close(self):
+            self.closed = True
+
+    held = Closes()
+    monkeypatch.setattr(lifetime, "recorders", lifetime._Open())
+    lifetime.recorders.add(held)
+    assert lifetime.owned_here(held)
+    lifetime._owner_pid[held] = -1  # as in a child: registered by another process
+    assert not lifetime.owned_here(held)
