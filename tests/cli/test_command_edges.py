@@ -10,7 +10,7 @@ import time
 import pytest
 from click.testing import CliRunner
 
-from upd.cli.main import main
+from upd.cli.main import COMMANDS, main
 from upd.exit_codes import EXIT_INTERRUPTED, EXIT_UNUSABLE
 
 from tests.harness.paths import SAMPLE_RUNS
@@ -86,5 +86,5 @@ def test_progress_on_a_terminal_and_nothing_when_piped(tmp_path):
 def test_main_help_lists_each_command_whole_and_the_interrupted_code():
     out = CliRunner().invoke(main, ["--help"]).output
     commands = out.split("Commands:")[1].split("Exit codes:")[0]
-    assert "..." not in commands and len([line for line in commands.splitlines() if line.strip()]) == 6
+    assert "..." not in commands and len([line for line in commands.splitlines() if line.strip()]) == len(COMMANDS)
     assert "130  interrupted (Ctrl-C)" in out

@@ -9,7 +9,8 @@ import pandas as pd
 
 from ..outputs import make_output_dir, open_output, write_csv
 from ..runfile.job import Job
-from ..runfile.reader import Run, open_run
+from ..runfile.reader import Run
+from ..runfile.opening import open_run
 from ..alert_rules import AlertRules
 from ..replay.engine import replica_checks
 from ..runfile.job import REPLICATED

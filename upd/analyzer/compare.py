@@ -14,7 +14,8 @@ import pandas as pd
 
 from ..outputs import make_output_dir, open_output, write_csv
 from ..runfile.job import Job
-from ..runfile.reader import Run, open_run
+from ..runfile.reader import Run
+from ..runfile.opening import open_run
 from ..safe_text import text_table
 from .summary import FLAGGED_STATUSES, Thresholds, is_weight, model_order_keys, summarize
 

@@ -106,8 +106,8 @@ def summarize(ratios: pd.DataFrame, params: pd.DataFrame, thresholds: Thresholds
 
 # The table's headers: the "latest" columns are the last recorded step's value (with a schedule decaying to 0 it
 # can sit far from the median), so the header says so.
-SUMMARY_HEADERS = {"latest_update_to_data": "update:data (last step)", "median_update_to_data": "(median)",
-                   "latest_grad_to_data": "grad:data (last step)", "median_grad_to_data": "(median) ",
+SUMMARY_HEADERS = {"latest_update_to_data": "update:data (last step)", "median_update_to_data": "update:data (median)",
+                   "latest_grad_to_data": "grad:data (last step)", "median_grad_to_data": "grad:data (median)",
                    "nonfinite_grad_steps": "NaN/Inf steps", "first_nonfinite_step": "first"}
 # The medians of the other update metrics analyze adds (analyzer/metrics.py), named for the table.
 METRIC_MEDIAN_HEADERS = {"median_rms_update_to_data": "rms (median)",

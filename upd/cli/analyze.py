@@ -9,6 +9,7 @@ import functools
 import importlib
 import json
 import os
+import textwrap
 
 import click
 
@@ -19,17 +20,31 @@ from ..analyzer.summary import Thresholds, format_summary
 from ..integrations.tensorboard import INSTALL_HINT, export_tables
 from ..replay import ReplayRuleError
 from ..replay.engine import verify as verify_run
-from ..runfile.reader import frozen_params, open_run
+from ..runfile.reader import frozen_params
+from ..runfile.opening import open_run
 from ..sinks.export import export_to_tracker, tracker_problem
 from ..outputs import derived_folder, input_files, refuse_inputs, write_csv
-from ..safe_text import shorten, shorten_all, terminal_safe
+from ..safe_text import TABLE_WIDTH, shorten, shorten_all, terminal_safe
 from .common import RUN_ARG, WIDE_OPTION, fail
 from .progress import Progress
 from .verify import report_text
 
 
+FINDING_CHARS = 600  # a finding longer than this (a file's 1 MB name in it) is shortened in the middle
+
+
+def wrapped(text: str, width: int = TABLE_WIDTH) -> str:
+    """Each line of text wrapped to `width` columns, continuation lines indented under the line's own text."""
+    lines = []
+    for line in text.splitlines():
+        indent = " " * (len(line) - len(line.lstrip()) + 3)
+        lines += textwrap.wrap(line, width, subsequent_indent=indent) or [""]
+    return "\n".join(lines)
+
+
 def echo_analysis(result, thresholds: Thresholds, wide: bool = False) -> None:
-    click.echo(result.findings_text(terminal_safe) + "\n")  # findings first; names are the file's text
+    # Findings first; names are the file's text: escaped, bounded, and wrapped to the tables' width.
+    click.echo(wrapped(result.findings_text(lambda text: shorten(text, FINDING_CHARS))) + "\n")
     click.echo(format_summary(result.summary, wide=wide))  # names: the file's text, shown escaped and bounded
     shown = result.summary.assign(param=result.summary["param"].map(shorten))
     click.echo("\n" + verdict(dataclasses.replace(result, summary=shown), thresholds))

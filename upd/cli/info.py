@@ -10,7 +10,7 @@ import click
 
 from ..analyzer.clipping import summarize_clipping
 from ..runfile import schema
-from ..runfile.reader import open_run
+from ..runfile.opening import open_run
 import pandas as pd
 
 from ..safe_text import WIDE_CELL_CHARS, shorten, shorten_all, terminal_safe_data, text_table
@@ -64,10 +64,13 @@ def info(run, as_json, wide):
                    + (f"; lacks steps {lacks} (the job reads the steps every rank holds)" if lacks else ""))
     for opt in desc["optimizers"]:
         span = f"steps {opt['first_step']}..{opt['last_step']}" if opt["records"] else "no steps"
+        stats_span = f" (steps {opt['first_recorded_step']}..{opt['last_recorded_step']})" \
+            if opt["stats_steps"] and opt.get("first_recorded_step") is not None else ""
         click.echo(f"optimizer {opt['index']}: {shorten(opt['class'])}, {opt['param_groups']} param group(s), "
-                   f"{opt['records']} full-tensor records ({span}), {opt['stats_steps']} statistics steps")
+                   f"{opt['records']} full-tensor records ({span}), {opt['stats_steps']} statistics steps{stats_span}")
         if opt["params"]:
-            click.echo(_indent(text_table(param_table(opt["params"]), keep=["param", "shape", "rows"], wide=wide)))
+            click.echo(_indent(text_table(param_table(opt["params"]), keep=["param", "shape", "rows", "stats rows"],
+                                          wide=wide)))
         if opt.get("frozen"):
             click.echo(f"  frozen (requires_grad=False when recording started; no gradient, no rows): "
                        f"{shorten_all(opt['frozen'])}")
@@ -96,7 +99,8 @@ def param_table(params: list[dict]) -> pd.DataFrame:
     rows = []
     for p in params:
         row = {"param": p["name"], "shape": "x".join(map(str, p["shape"])) or "scalar", "dtype": p["dtype"] or "?",
-               "group": p["group"], "rows": p["rows"], "state": ",".join(p["state"]) or "-"}
+               "group": p["group"], "rows": p["rows"], "stats rows": p.get("stats_rows", 0),
+               "state": ",".join(p["state"]) or "-"}
         if "layout" in p:
             row["ranks"] = f"{p['layout']} on ranks {','.join(map(str, p['ranks']))}"
         rows.append(row)

@@ -22,6 +22,7 @@ SUMMARIES = {"info": "what a run file (or a distributed job) holds",
              "analyze": "update:data and grad:data ratios: table, plots, HTML report",
              "compare": "two or more runs side by side, weight by weight",
              "verify": "replay the optimizer's math against the recorded updates",
+             "advise": "per-layer learning-rate advice from the update:data ratios",
              "demo": "train a small model, record it, analyze it, verify it",
              "record": "record a training program without editing it: RUN -- COMMAND"}
 

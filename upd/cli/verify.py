@@ -13,7 +13,8 @@ from ..replay.engine import EXIT_RULE_FAILED, verify as verify_run
 from ..replay.registry import check_tolerances
 from ..outputs import write_csv
 from ..safe_text import LISTED_NAMES, shorten, shorten_all, terminal_safe_frame, text_table
-from ..runfile.reader import frozen_params, open_run
+from ..runfile.reader import frozen_params
+from ..runfile.opening import open_run
 from ..analyzer.report import VERIFY_COLUMNS_TEXT, VERIFY_HEADERS, verify_table
 from .common import RUN_ARG, WIDE_OPTION, fail
 from .progress import Progress

@@ -32,7 +32,7 @@ import torch
 from ..recorder import record
 from ..recorder.logged_scalars import name_problem, scalar_problem
 from ..runfile import schema
-from ..runfile.reader import open_run
+from ..runfile.opening import open_run
 from ..sinks import TensorBoard
 from ..sinks.mlflow import MLflow
 from ..sinks.wandb import WandB

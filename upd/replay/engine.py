@@ -17,7 +17,8 @@ import torch
 from .. import exit_codes
 from ..runfile import encoding, schema, tensor_blocks
 from ..runfile.job import Job
-from ..runfile.reader import OptimizerRun, ParamRecord, Run, RunFileError, open_run
+from ..runfile.reader import OptimizerRun, ParamRecord, Run, RunFileError
+from ..runfile.opening import open_run
 from ..runfile.record import holds_part
 from . import batch, blocks, hparams, parallel, skipped_steps
 from .explain import explain

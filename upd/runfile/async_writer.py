@@ -511,6 +511,9 @@ class AsyncRunWriter:
     def last_step(self, index: int):
         return self._call(_writer_method, self._shared, "last_step", index)
 
+    def truncate_from(self, index: int, step: int) -> dict:
+        return self._call(_writer_method, self._shared, "truncate_from", index, step)
+
     def _shutdown(self) -> None:
         with self._close_lock:
             if self._closed:
