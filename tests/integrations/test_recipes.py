@@ -96,7 +96,7 @@ def check_recorded(path, steps: int, every: int, losses=None,
 
 
 def test_every_section_has_a_recipe_run_here_or_says_which_tests_run_it():
-    run_here = {"A plain training loop", "Hugging Face Trainer", "Lightning", "Accelerate", "torchrun and DDP",
+    run_here = {"A plain training loop", "Mixed precision: torch.amp and GradScaler", "Hugging Face Trainer", "Lightning", "Accelerate", "torchrun and DDP",
                 "torch.compile", "Weights & Biases", "MLflow"}  # these two: in test_trackers.py, with the trackers
     found = sections()
     for title, text in found.items():
@@ -121,6 +121,17 @@ def test_the_documents_links_lead_to_files_of_the_repository():
 def test_plain_training_loop(tmp_path):
     namespace = run_recipe("A plain training loop", tmp_path)
     check_recorded(tmp_path / "runs" / "exp1.h5", BATCHES, 5, namespace["loss_fn"].values)
+
+
+@pytest.mark.slow
+def test_mixed_precision(tmp_path):
+    namespace = run_recipe("Mixed precision: torch.amp and GradScaler", tmp_path)
+    path = tmp_path / "runs" / "amp.h5"
+    check_recorded(path, BATCHES, 5, namespace["loss_fn"].values)
+    with upd.open_run(path) as run:
+        steps = run.steps()
+        # unscale_ ran first: the fused step got unscaled gradients (scale 1) and found no inf
+        assert (steps[schema.SCALAR_AMP_GRAD_SCALE] == 1).all() and (steps[schema.SCALAR_AMP_FOUND_INF] == 0).all()
 
 
 def test_the_check_fails_on_a_wrong_loss_and_a_changed_update(tmp_path):

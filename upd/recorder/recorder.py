@@ -299,6 +299,7 @@ class Recorder:
 
     def _before_step(self, track: OptimizerTrack, closure_step: bool) -> None:
         track.before_step(closure_step)
+        track.note_grad_scaling()
 
     def _wrap_closure(self, track: OptimizerTrack, closure):
         """Closure-driven optimizers (LBFGS, and Lightning's automatic optimization) compute the gradient inside

@@ -22,6 +22,7 @@ from .backward import BackwardCounts
 from .device_stats import LeanStep, SnapshotPool, StepStatistics, element_count, lean_applies
 from .engines import LEAN, SAMPLED, StatisticsEngine, statistics_set
 from .grad_norms import TotalNorm, total_norm
+from .grad_scaling import GradScaling
 from .job_scalars import Slot
 from .logged_scalars import HOST_BATCH_STEPS, scalar_problem, to_host
 from .naming import ParamNames, is_selected
@@ -120,6 +121,7 @@ class OptimizerTrack:
         self.live_rows: list = []  # a split job's rank 0: scalar rows on the host, for the sinks
         self.job_parts: tuple[int, dict] | None = None  # (step, its parts' statistics), until shared
         self._step_scalars: dict = {}  # scalars the recorder measured in the step in progress
+        self.grad_scaling: GradScaling | None = None  # what GradScaler handed the fused step in progress
         self._backward_norm: torch.Tensor | None = None  # total gradient norm after the last backward pass
         self._closure_evaluated_once = False  # this step(closure) evaluated its closure
         self._shards: dict[int, ShardLayout] = {}  # id(DTensor parameter) -> its ShardLayout, found with its name
@@ -377,6 +379,13 @@ class OptimizerTrack:
                 if tracked.live.grad is not None:
                     tracked.snapshot.grad = cpu_copy(tracked.live.grad)
 
+    def note_grad_scaling(self) -> None:
+        """What GradScaler handed this fused step (``grad_scaling``), kept for after_step; its scale and found_inf
+        join the step's scalars (at every such step, recorded or not: a flight recorder's dump must verify)."""
+        self.grad_scaling = GradScaling.of(self.optimizer)
+        if self.grad_scaling is not None:
+            self.grad_scaling.add_scalars(self._step_scalars)
+
     def after_step(self, logged: dict) -> tuple[Record | None, bool]:
         """The post-step hook's work: (the step's record, selected by every=), or (None, False) at a step that
         records nothing. `logged`: the values ``rec.log`` gave this step. The step's waiting scalars go with its
@@ -385,6 +394,7 @@ class OptimizerTrack:
         step = self.steps_done
         self.steps_done += 1
         pending, self.pending = self.pending, None
+        scaling, self.grad_scaling = self.grad_scaling, None
         self._queue_scalars(step, pending.record.wall_time if pending is not None else time.time(), logged)
         if pending is None:
             return None, False
@@ -395,6 +405,8 @@ class OptimizerTrack:
             rec.params = [t.snapshot for t in pending.params]
         if pending.stats is not None:
             rec.stats = pending.stats.after_step(pending)  # one device-to-host copy, whichever engine
+            if scaling is not None:  # the gradients as the fused step used them (a job's parts included)
+                rec.stats = scaling.unscaled(rec.stats)
             rec.stats_meta = pending.stats_meta if pending.stats_meta is not None else {
                 t.snapshot.name: param_meta(t.snapshot, local_part(t.live)) for t in pending.params}
             if settings.shares_job_statistics:
@@ -402,6 +414,8 @@ class OptimizerTrack:
                     t.snapshot.name: (element_count(local_part(t.live)), rec.stats[t.snapshot.name])
                     for t in pending.params
                     if t.snapshot.name in rec.stats and distributed.counts_toward_whole(t.live, settings.rank_setup)})
+        if rec.full and scaling is not None:
+            scaling.unscale_grads(rec.params)
         if rec.full:
             for t in pending.params:
                 t.snapshot.param_after = cpu_copy(t.live) if "param" in settings.what else None

@@ -20,7 +20,7 @@ from ..runfile.job import Job
 from ..runfile.reader import OptimizerRun, ParamRecord, Run, RunFileError
 from ..runfile.opening import open_run
 from ..runfile.record import holds_part
-from . import batch, blocks, hparams, parallel
+from . import batch, blocks, hparams, parallel, skipped_steps
 from .explain import explain
 from .registry import (NotReplayable, ReplayRule, ReplayRuleError, check_tolerances, lookup, registered,
                        same_shape)
@@ -311,11 +311,18 @@ class OptimizerReplay:
     rtol: float | None = None
     ulps: float | None = None
     _groups: dict = field(default_factory=dict)  # record -> that record's param groups, as rules take them
+    # steps a fused optimizer skipped for GradScaler (an inf/NaN gradient), replayed as no change (skipped_steps)
+    found_inf_steps: frozenset = frozenset()
 
     @classmethod
     def of(cls, run: Run, opt: OptimizerRun, *, rtol=None, ulps=None) -> OptimizerReplay:
         return cls(run=run, opt=opt, rule=lookup(opt.class_name, opt.meta.get("mro", ()), run.torch_version),
-                   state_recorded="state" in run.options.get("what", schema.WHAT_CHOICES), rtol=rtol, ulps=ulps)
+                   state_recorded="state" in run.options.get("what", schema.WHAT_CHOICES), rtol=rtol, ulps=ulps,
+                   found_inf_steps=skipped_steps.skipped_steps(opt))
+
+    def rule_at(self, step: int) -> ReplayRule:
+        """The rule that replays optimizer step `step`: the optimizer's, or no change for a skipped step."""
+        return skipped_steps.unchanged(self.rule) if step in self.found_inf_steps else self.rule
 
     def group(self, record: int, index: int) -> dict:
         if record not in self._groups:  # the one place a recorded param group enters the replay: checked here
@@ -386,7 +393,7 @@ def param_checks(replay: OptimizerReplay, p: ParamRecord, block_elements: int | 
         _replay_blocks(replay, p, plan, todo, next_rows, checks, results, compare=False)
     _replay_blocks(replay, p, plan, todo, next_rows, checks, results, compare=True)
     for row in todo:
-        _finish(checks[row], results[row])
+        _finish(checks[row], results[row], replay)
     return list(checks.values())
 
 
@@ -462,11 +469,12 @@ def _batch_checks(replay: OptimizerReplay, members: list) -> dict[str, list]:
             step = int(opt.steps[record])
             has_next = _next_row(first, opt, row, record) is not None
             where = f"optimizer {opt.index}, parameters {names[0]!r} and {len(names) - 1} more, step {step}"
-            results = batch.replay_row(replay.rule, tiles, row, has_next, replay.state_recorded, plan.elementwise_keys,
+            results = batch.replay_row(replay.rule_at(step), tiles, row, has_next, replay.state_recorded,
+                                       plan.elementwise_keys,
                                        replay.group(record, first.param_group or 0), step, plan.tol, where, path)
             for name, result in zip(names, results):
                 check = checks[name][row]
-                _finish(check, result)
+                _finish(check, result, replay)
                 if check.status == "mismatch":  # its explanation comes from the one-by-one path
                     redo.add(name)
     except (batch.Fallback, ReplayRuleError, RunFileError):
@@ -574,7 +582,8 @@ def _replay_row(replay, p, plan, tile, row, nxt, check, result, compare) -> None
     where = f"optimizer {opt.index}, parameter {p.name!r}, step {check.step}"
     try:
         replayed_param, replayed_state, scale = blocks.replay_chunks(
-            replay.rule, inputs, plan.elementwise_keys, group, check.step, plan.chunk, where, replay.run.path)
+            replay.rule_at(check.step), inputs, plan.elementwise_keys, group, check.step, plan.chunk, where,
+            replay.run.path)
     except NotReplayable as exc:
         result.skip_note = str(exc)
         return
@@ -627,11 +636,13 @@ def _f64(t: torch.Tensor) -> torch.Tensor:
 MIN_RESOLVED = 0.5
 
 
-def _finish(check: Check, result: blocks.RowResult) -> None:
+def _finish(check: Check, result: blocks.RowResult, replay: OptimizerReplay) -> None:
     """Turn a row's accumulated result into the check's status and note."""
     if result.skip_note is not None:
         check.note = result.skip_note
         return
+    if check.step in replay.found_inf_steps:
+        check.note = skipped_steps.NOTE
     check.max_abs_err, check.err_to_tol = result.max_abs_err, result.err_to_tol
     check.update_rel_err = result.max_abs_err / result.recorded_scale if result.recorded_scale > 0 else math.nan
     check.update_resolved = result.resolved / result.moving if result.moving else math.nan

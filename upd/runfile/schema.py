@@ -78,7 +78,12 @@ SCALAR_LOSS = "loss"
 # unscaling or other change between backward and step), and as the optimizer saw them at the step.
 SCALAR_GRAD_NORM_BACKWARD = "total_grad_norm_backward"
 SCALAR_GRAD_NORM_AT_STEP = "total_grad_norm_step"
-RECORDER_SCALARS = (SCALAR_GRAD_NORM_BACKWARD, SCALAR_GRAD_NORM_AT_STEP)
+# A step torch.amp.GradScaler handed to a fused optimizer (optimizer.grad_scale and .found_inf set for the step):
+# the factor the gradients it received still carried (1 after scaler.unscale_), and 1.0 where the scaler found an
+# inf/NaN gradient and the fused kernel skipped the step. The run's gradients are shown divided by the scale.
+SCALAR_AMP_GRAD_SCALE = "amp_grad_scale"
+SCALAR_AMP_FOUND_INF = "amp_found_inf"
+RECORDER_SCALARS = (SCALAR_GRAD_NORM_BACKWARD, SCALAR_GRAD_NORM_AT_STEP, SCALAR_AMP_GRAD_SCALE, SCALAR_AMP_FOUND_INF)
 # Names a logged scalar cannot have: the key columns of the tables that show scalars next to records (run.steps(),
 # run.scalars()), and their per-group learning-rate columns (prefix).
 RESERVED_SCALAR_NAMES = ("optimizer", "record", "stats_row", "step", "backward_pass", "wall_time")
