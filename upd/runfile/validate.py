@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import stat
 from typing import NamedTuple
 
@@ -403,9 +404,16 @@ def json_value(raw):
     if isinstance(raw, str) and not _is_utf8(raw):
         raise ValueError("text is not valid UTF-8")
     value = encoding.from_json(raw)
-    if not isinstance(value, (int, float, bool, type(None))) and not _is_utf8(json.dumps(value, ensure_ascii=False)):
+    if not isinstance(value, (int, float, bool, type(None))) \
+            and (not isinstance(raw, str) or _SURROGATE_ESCAPE.search(raw) is not None) \
+            and not _is_utf8(json.dumps(value, ensure_ascii=False)):
         raise ValueError("text holds an invalid Unicode escape (a lone surrogate)")
     return value
+
+
+# Valid UTF-8 text parses to a lone surrogate only through a \uD800..\uDFFF escape: without one (a search at C
+# speed) the parsed value need not be encoded again to be checked (2.3 s of `upd info` on 200,000 names).
+_SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F]")
 
 
 _KIND_NAMES = {schema.INTEGERS: "integers", schema.NUMBERS: "numbers", schema.FLOATS: "floats",
