@@ -7,6 +7,7 @@ from click.testing import CliRunner
 from torch import nn
 
 import upd
+from upd.cli.info import INFO_PARAM_ROWS
 from upd.cli.main import main
 from upd.safe_text import ELLIPSIS, LISTED_NAMES, MIN_NAME_CHARS, NAME_CHARS, TABLE_WIDTH, WIDE_CELL_CHARS, shorten, text_table
 
@@ -83,9 +84,12 @@ def test_every_command_prints_bounded_output_for_a_1_mb_name(crafted, command):
     # a line listing names (the verdict, frozen ones) names LISTED_NAMES of them, each shortened, and counts the rest
     assert max(map(len, lines)) <= LISTED_NAMES * (NAME_CHARS + 20) + 200, max(map(len, lines))
     assert len(result.output) <= 150 * 2001 + 10_000  # one bounded row per name, whatever the longest
-    if command[0] in ("info", "analyze", "compare"):
+    if command[0] in ("analyze", "compare"):
         rows = [line for line in lines if line.lstrip().startswith(("p.w1999 ", "p.xxxx"))]
         assert len(rows) == 2 and all(len(line) <= TABLE_WIDTH for line in rows)
+    if command[0] == "info":  # the first INFO_PARAM_ROWS parameters, then a count (--wide lists every one)
+        assert f"and {2001 - INFO_PARAM_ROWS} more parameters" in result.output
+        assert all(len(line) <= TABLE_WIDTH for line in lines if line.lstrip().startswith("p.w"))
 
 
 def test_wide_shows_every_column():

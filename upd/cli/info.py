@@ -14,12 +14,19 @@ from ..runfile.opening import open_run
 import pandas as pd
 
 from ..safe_text import WIDE_CELL_CHARS, shorten, shorten_all, terminal_safe_data, text_table
-from .common import RUN_ARG, WIDE_OPTION
+from .common import RUN_ARG
+
+# The parameters info lists per optimizer without --wide: a run of 1.1M names printed (and cleaned) every one, 43 s.
+# --wide, --json and run.params() list every one.
+INFO_PARAM_ROWS = 50
 
 @click.command()
 @RUN_ARG
 @click.option("--json", "as_json", is_flag=True, help="Print the description as JSON (every name whole).")
-@WIDE_OPTION
+@click.option("--wide", is_flag=True,
+              help=f"List every parameter (default: the first {INFO_PARAM_ROWS} of each optimizer) with every column "
+                   "and names up to 200 characters (default: fit 100 columns, long names shortened in the middle "
+                   "with '\u2026'; --json holds every name whole).")
 def info(run, as_json, wide):
     """Show what RUN holds: optimizers, param groups, parameters with shapes, steps, size.
 
@@ -34,7 +41,7 @@ def info(run, as_json, wide):
     if as_json:
         click.echo(json.dumps(desc, indent=2))  # JSON escapes control characters itself
         return
-    desc = terminal_safe_data(desc)  # names, classes, versions, options: the file's text, shown escaped
+    desc = shown_safe(desc)  # names, classes, versions, options: the file's text, shown escaped
     created = desc["created_unix"]
     when = datetime.fromtimestamp(created, timezone.utc).strftime("%Y-%m-%d %H:%M UTC") if created else "?"
     job = desc.get("job")
@@ -69,8 +76,12 @@ def info(run, as_json, wide):
         click.echo(f"optimizer {opt['index']}: {shorten(opt['class'])}, {opt['param_groups']} param group(s), "
                    f"{opt['records']} full-tensor records ({span}), {opt['stats_steps']} statistics steps{stats_span}")
         if opt["params"]:
-            click.echo(_indent(text_table(param_table(opt["params"]), keep=["param", "shape", "rows", "stats rows"],
+            listed = opt["params"] if wide else opt["params"][:INFO_PARAM_ROWS]
+            click.echo(_indent(text_table(param_table(listed), keep=["param", "shape", "rows", "stats rows"],
                                           wide=wide)))
+            if len(listed) < len(opt["params"]):
+                click.echo(f"  ... and {len(opt['params']) - len(listed)} more parameters (--wide or --json lists "
+                           "every one; run.params() in Python)")
         if opt.get("frozen"):
             click.echo(f"  frozen (requires_grad=False when recording started; no gradient, no rows): "
                        f"{shorten_all(opt['frozen'])}")
@@ -81,6 +92,18 @@ def info(run, as_json, wide):
         click.echo(clipping["text"])
     if desc["params_not_optimized"]:
         click.echo(f"model parameters in no optimizer: {shorten_all(desc['params_not_optimized'])}")
+
+
+def shown_safe(desc: dict) -> dict:
+    """describe()'s text made terminal_safe where info prints it whole; the parameter entries and the frozen and
+    scalar names are left as they are: info prints them through text_table and shorten_all, which clean what they
+    show (cleaning a 1.1M-name description whole took most of info's time)."""
+    listed = {"params", "frozen"}
+    out = terminal_safe_data({k: v for k, v in desc.items() if k not in ("optimizers", "scalars", "params_not_optimized")})
+    out["scalars"], out["params_not_optimized"] = desc["scalars"], desc["params_not_optimized"]
+    out["optimizers"] = [terminal_safe_data({k: v for k, v in opt.items() if k not in listed})
+                         | {k: opt[k] for k in listed if k in opt} for opt in desc["optimizers"]]
+    return out
 
 
 def distributed_text(rank_of: dict) -> str:

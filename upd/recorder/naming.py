@@ -8,7 +8,11 @@ nothing to them, so a run compiled or not, distributed or not, has the same name
 from __future__ import annotations
 
 import fnmatch
+import hashlib
 import sys
+import warnings
+
+from ..runfile.schema import MAX_NAME_CHARS
 
 # The attribute torch.compile's OptimizedModule keeps the compiled module under, and so a component of the names
 # of everything inside it.
@@ -31,7 +35,24 @@ def without_compile_prefix(name: str) -> str:
 
 def named_parameters(model):
     """(name, parameter) for the model's parameters, as the run names them."""
-    return [(without_compile_prefix(n), p) for n, p in model.named_parameters()]
+    return [(bounded_name(without_compile_prefix(n)), p) for n, p in model.named_parameters()]
+
+
+def bounded_name(name: str) -> str:
+    """`name`, or for one longer than MAX_NAME_CHARS (a ParameterDict takes any key: a 1 MB name made every reader's
+    work follow it) its start and end around a marker with its length and a hash of it, MAX_NAME_CHARS long: two
+    long names that differ anywhere stay different. Warns once per name; the parameter is recorded."""
+    if len(name) <= MAX_NAME_CHARS:
+        return name
+    digest = hashlib.sha256(name.encode("utf-8", "surrogatepass")).hexdigest()[:16]
+    marker = f"\u2026[{len(name)} characters, sha256 {digest}]\u2026"
+    head = (MAX_NAME_CHARS - len(marker)) // 2
+    tail = MAX_NAME_CHARS - len(marker) - head
+    short = name[:head] + marker + name[-tail:]
+    warnings.warn(f"upd: a parameter name of {len(name)} characters is recorded shortened to {MAX_NAME_CHARS} "
+                  f"({short[:40]!r}...): names in a run file are at most {MAX_NAME_CHARS} characters", UserWarning,
+                  stacklevel=3)
+    return short
 
 
 def model_names(model) -> dict[int, str]:
@@ -55,7 +76,7 @@ class ParamNames:
             return name
         name = self._names_in_model.get(id(param))
         if name is None and "param_names" in group and index_in_group < len(group["param_names"]):
-            name = without_compile_prefix(group["param_names"][index_in_group])
+            name = bounded_name(without_compile_prefix(group["param_names"][index_in_group]))
         if name is None:
             name = f"group{group_index}.param{index_in_group}"
         # A '/' is kept: the writer escapes it in the file (schema.param_key) and readers show the name as it was.

@@ -720,6 +720,11 @@ def param_entries(opt, stats_meta: dict) -> list[dict]:
     its statistics table."""
     stats_rows = len(opt.stats_table_steps.steps)
     stats_state = opt.stats_state_keys() if stats_meta else []
+    with encoding.gc_paused():
+        return model_order(_entries(opt, stats_meta, stats_rows, stats_state))
+
+
+def _entries(opt, stats_meta: dict, stats_rows: int, stats_state: list) -> list[dict]:
     entries = [{"name": p.name, "shape": list(p.shape), "dtype": p.dtype, "group": p.param_group,
                 "index_in_group": p.meta.get("index_in_group"), "rows": p.num_rows,
                 "stats_rows": stats_rows if p.name in stats_meta else 0, "kinds": p.kinds,
@@ -729,7 +734,7 @@ def param_entries(opt, stats_meta: dict) -> list[dict]:
                  "group": meta.get("group"), "index_in_group": meta.get("index_in_group"), "rows": 0,
                  "stats_rows": stats_rows, "kinds": [], "state": list(stats_state), "stored_as": None}
                 for name, meta in stats_meta.items() if name not in opt.param_records]
-    return model_order(entries)
+    return entries
 
 
 def params_row(opt, entry: dict) -> dict:
@@ -756,9 +761,16 @@ def describe_optimizer(opt, stats_steps: int, stats_meta: dict) -> dict:
         "param_groups": opt.num_param_groups,
         "defaults": opt.meta.get("defaults", {}),
         "frozen": frozen_params(opt),
-        "params": [{k: v for k, v in entry.items() if k != "index_in_group"}
-                   for entry in param_entries(opt, stats_meta)],
+        "params": _without_position(param_entries(opt, stats_meta)),
     }
+
+
+def _without_position(entries: list[dict]) -> list[dict]:
+    """The entries without their "index_in_group" (model_order has used it), in place: a copy of each entry cost
+    more than the entry itself for 1.1M statistics-only names."""
+    for entry in entries:
+        entry.pop("index_in_group", None)
+    return entries
 
 
 def frozen_params(opt) -> list[str]:

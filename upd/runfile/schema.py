@@ -121,6 +121,9 @@ STORAGE_DTYPES = ("keep", "float32", "float16", "bfloat16")
 HDF5_SIGNATURE = b"\x89HDF\r\n\x1a\n"  # starts the superblock (at byte 0 of every file this writer creates)
 
 MAX_META_BYTES = 16 * 1024 * 1024  # readers refuse larger JSON attributes rather than parse them
+# The longest parameter name the recorder writes (characters): a longer one keeps its start and end around a marker
+# (recorder.naming.bounded_name). Readers take a stranger's longer names and bound what they show (safe_text).
+MAX_NAME_CHARS = 4096
 
 def param_key(name: str) -> str:
     """A parameter's name as the name of its group under PARAMS: '/' separates HDF5 path components, so '%' and '/'
