@@ -27,6 +27,7 @@ from ..sinks.tensorboard import TensorBoard
 from . import distributed, job_scalars
 from .device_stats import LeanStep, SnapshotPool, StepStatistics, element_count, lean_applies
 from .engines import LEAN, SAMPLED, StatisticsEngine, statistics_set
+from .alerts import LiveAlerts
 from .flight_recorder import FlightRecorder
 from .grad_norms import TotalNorm, queue_after_backward, total_norm
 from .logged_scalars import HOST_BATCH_STEPS, kept, name_problem, scalar_problem, to_host
@@ -48,6 +49,10 @@ def eager(hook):
 
 class RecorderWarning(UserWarning):
     """The recorder stopped recording; training goes on."""
+
+
+class TrainingAlert(RecorderWarning):
+    """A live alert (``upd.record(..., alerts=True)``): a weight left the band, an update norm spiked, NaN/Inf."""
 
 
 @dataclasses.dataclass
@@ -119,6 +124,7 @@ class Recorder:
         self.error: BaseException | None = None
         self._flight: FlightRecorder | None = None  # made with the writer it dumps to
         self._sinks: SinkFeed | None = None  # the sinks this process feeds (sink_role)
+        self._alerts = LiveAlerts(opts.alerts, dump=flight_recorder is not None) if opts.alerts else None
         self._given_sinks = sinks  # closed with the recorder, fed or not
         self._live_rows: dict[int, list] = {}  # a split job's rank 0: scalar rows on the host, for the sinks
         self._handles = []
@@ -187,12 +193,12 @@ class Recorder:
             return
         self._warn_if_nothing_selected(opt_metas)
 
-        role = distributed.sink_role(self.rank_setup) if sinks or tensorboard is not None else None
+        role = distributed.sink_role(self.rank_setup) if sinks or tensorboard is not None or self._alerts else None
         if role == SINKS_OWN or (role == SINKS_JOB and self.rank_setup.rank == 0):
             if tensorboard is not None:  # only the process that writes makes a SummaryWriter
                 sinks = [TensorBoard(tensorboard), *sinks]
             # A split job's rank 0 feeds the job's combined statistics (_feed_job_step), not its own part's.
-            self._sinks = SinkFeed(sinks, self._warn_sink)
+            self._sinks = SinkFeed(sinks, self._warn_sink, alerts=self._alerts)
         # A split job's live statistics: every rank adds its parts' statistics, rank 0 feeds the sinks (job_scalars).
         if role == SINKS_JOB:
             self._job_scalars = JobScalars(self.rank_setup.rank, self.rank_setup.world_size, stats_every,
@@ -243,6 +249,8 @@ class Recorder:
                 for i, opt in enumerate(optimizers):
                     self._handles.append(opt.register_step_post_hook(self._make_post_hook(i)))
             return
+        if self._alerts is not None:
+            self._alerts.store = self._writer.events_writer()
         if flight_recorder is not None:
             self._flight = FlightRecorder(self._writer, len(optimizers), flight_recorder, spike_factor)
         try:
@@ -732,7 +740,7 @@ class Recorder:
         del pending  # statistics only: the device snapshots are released now, before the writer may block
         if selected:  # a full record is written now, its tensors copied to the host: the scalars go with it
             rec.scalars = self._scalars_on_host(opt_index)
-        elif rec.stats is not None and self._sinks is not None:
+        elif rec.stats is not None and self._sinks is not None and self._sinks.sinks:
             # The sinks get a step's statistics and its scalars together: read now, the device is idle by now.
             rec.scalars = self._scalars_on_host(opt_index)
         elif len(self._scalar_rows.get(opt_index, ())) >= HOST_BATCH_STEPS:
@@ -750,6 +758,8 @@ class Recorder:
             self._records += 1
             self._full_records += bool(selected)
         self._stats_steps += rec.stats is not None
+        if self._alerts is not None:
+            self._act_on_alerts()
 
     # -- logged scalars ---------------------------------------------------------------------------------------
     def log(self, after_step: bool = False, **scalars) -> None:
@@ -854,6 +864,17 @@ class Recorder:
         warnings.warn(f"torch-upd: the job's live statistics stop: {why}; training continues.",
                       RecorderWarning, stacklevel=2)
 
+    def _act_on_alerts(self, closing: bool = False) -> None:
+        """On the training thread: the alerts the writer thread found since the last step warned about, and the
+        flight recorder's dump they asked for done (upd.recorder.alerts)."""
+        texts, reason = self._alerts.take()
+        for text in texts:
+            warnings.warn(text, TrainingAlert, stacklevel=4)
+        if reason is not None and self._flight is not None and not closing:
+            self._flight.dump(reason)
+        if closing and self._alerts.closing_text():
+            warnings.warn(self._alerts.closing_text(), TrainingAlert, stacklevel=3)
+
     @staticmethod
     def _warn_sink(why: str) -> None:
         warnings.warn(why, RecorderWarning, stacklevel=2)
@@ -895,6 +916,9 @@ class Recorder:
             if self._job_scalars is not None and self._sinks is not None:
                 for opt_index in list(self._live_rows):
                     self._guard(self._feed_job_step, opt_index, None)
+            if self._alerts is not None and self.active:  # the last steps' alerts, dumps included, before the end
+                self._guard(self._writer.sync)
+                self._guard(self._act_on_alerts)
             was_active = self.active  # a write that failed stopped recording
         self.active = False
         self._remove_hooks()
@@ -915,6 +939,8 @@ class Recorder:
                               "what was committed before stays readable.", RecorderWarning, stacklevel=2)
             finally:
                 self._close_sinks()
+                if self._alerts is not None:  # the last records' alerts, checked as the writer drained
+                    self._act_on_alerts(closing=True)
         else:
             self._close_sinks()
 
