@@ -57,11 +57,16 @@ class _OptimizerState:
         out = np.full(len(self.names), np.nan)
         if self.filled < rules.spike_min_history:
             return out
-        kept = self.ring[:self.filled]
-        known = (~np.isnan(kept)).sum(axis=0)
-        enough = known >= rules.spike_min_history
-        if enough.any():
-            out[enough] = np.nanmedian(kept[:, enough], axis=0)
+        # The median of each column's known norms, as np.median takes it (the middle one, or the mean of the two
+        # middle ones: (a + b) / 2), from one sort: NaN sorts last. numpy's nanmedian goes through masked arrays,
+        # ten times slower on a ring this small.
+        ordered = np.sort(self.ring[:self.filled], axis=0)
+        known = (~np.isnan(ordered)).sum(axis=0)
+        enough = np.flatnonzero(known >= rules.spike_min_history)
+        if len(enough):
+            k = known[enough]
+            low, high = ordered[(k - 1) // 2, enough], ordered[k // 2, enough]
+            out[enough] = np.where(k % 2 == 1, low, (low + high) / 2)
         return out
 
     def add(self, norms: np.ndarray) -> None:

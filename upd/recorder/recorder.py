@@ -1147,6 +1147,13 @@ def record(path, model=None, optimizer=None, **options) -> Recorder:
             The reasons are stored (``Run.dumps``); the dumped steps replay and verify like any others.
         spike_factor: the flight recorder's trigger: a gradient or update norm above this many times its recent
             median (default 10; must be > 1).
+        alerts: early warnings (``True``, or an ``upd.alert_rules.AlertRules`` with other thresholds): each
+            statistics step is checked on the writer thread, from the values already on the host, for a weight
+            leaving the update:data band, an update-norm spike, NaN/Inf (and the other rules of docs/diagnosis.md).
+            A new alert is an ``upd.TrainingAlert`` warning (rate-limited: once per kind and weight, at most 10,
+            then one saying the rest are stored), an entry of the run's events (``Run.events``), ``alerts/<kind>``
+            counts in every sink, and with ``flight_recorder=K`` a NaN/Inf or spike alert dumps the kept steps.
+            Implies statistics at every step unless ``stats_every`` says.
         strict: raise recorder errors (at setup too) instead of warning once and stopping recording.
         ranks: which ranks of a distributed job record (ignored in a single process). ``None`` (default): every
             rank when each holds a part of the model (FSDP2 shards, ZeroRedundancyOptimizer partitions), rank 0
