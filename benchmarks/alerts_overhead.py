@@ -18,11 +18,15 @@ import json
 import os
 import shutil
 import tempfile
+import time
 import warnings
 
+import numpy as np
 import torch
 
 import upd
+from upd.alert_rules import AlertRules, is_weight
+from upd.recorder.alerts import LiveAlerts
 from benchmarks.overhead import gpt_workload
 from benchmarks.sinks_overhead import Plain, Recorded, measure, pct, report, tiny_workload
 
@@ -45,12 +49,6 @@ class RecordedStats(Recorded):
 def check_cost(folder: str) -> float:
     """CPU seconds per step of the live check itself, on the statistics the alerts variant recorded: the rules over
     each step's columns, as the writer thread runs them (events stored nowhere)."""
-    import time
-
-    import numpy as np
-
-    from upd.alert_rules import AlertRules, is_weight
-    from upd.recorder.alerts import LiveAlerts
     with upd.open_run(os.path.join(folder, "upd_alerts.h5")) as run:
         stats = run.stats()
         shapes = {r.param: tuple(r.shape) for r in run.params().itertuples()}

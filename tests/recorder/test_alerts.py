@@ -75,6 +75,7 @@ def spiked(tmp_path_factory):
     return path, sink, caught
 
 
+@pytest.mark.slow  # a real training run (the spiked one is shared by the module)
 def test_an_lr_spike_alerts_at_its_step_naming_the_weights(spiked):
     path, sink, caught = spiked
     with upd.open_run(path) as run:
@@ -89,6 +90,7 @@ def test_an_lr_spike_alerts_at_its_step_naming_the_weights(spiked):
     assert all(name in spike_warnings[0] for name in ("0.weight", "2.weight"))
 
 
+@pytest.mark.slow  # a real training run (the spiked one is shared by the module)
 def test_the_sink_gets_the_alerts_with_their_step(spiked):
     _, sink, _ = spiked
     at = [s for s in sink.steps if s.step == SPIKE_STEP and s.params]
@@ -100,6 +102,7 @@ def test_the_sink_gets_the_alerts_with_their_step(spiked):
     assert quiet and all(upd.sinks.base.metrics(s)[f"alerts/{alert_rules.UPDATE_SPIKE}"] == 0 for s in quiet)
 
 
+@pytest.mark.slow  # a real training run (the spiked one is shared by the module)
 def test_analyze_and_info_show_the_recorded_events(spiked):
     path, _, _ = spiked
     analysis = upd.analyze(path)
@@ -116,6 +119,7 @@ def test_analyze_and_info_show_the_recorded_events(spiked):
     assert any(e["kind"] == alert_rules.UPDATE_SPIKE for e in as_json["events"])
 
 
+@pytest.mark.slow  # a real training run (the spiked one is shared by the module)
 def test_the_same_run_without_the_spike_has_no_event(tmp_path):
     caught, _ = train(tmp_path / "plain.h5")
     with upd.open_run(tmp_path / "plain.h5") as run:
@@ -125,6 +129,7 @@ def test_the_same_run_without_the_spike_has_no_event(tmp_path):
     assert not [f for f in upd.analyze(tmp_path / "plain.h5").findings if f.kind == "recorded_alerts"]
 
 
+@pytest.mark.slow  # a real training run (the spiked one is shared by the module)
 def test_nan_alerts(tmp_path):
     caught, _ = train(tmp_path / "nan.h5", steps=12, nan_at=8)
     with upd.open_run(tmp_path / "nan.h5") as run:
@@ -134,10 +139,11 @@ def test_nan_alerts(tmp_path):
     assert any("NaN/Inf" in str(w.message) for w in caught if issubclass(w.category, TrainingAlert))
 
 
+@pytest.mark.slow  # a real training run (the spiked one is shared by the module)
 def test_warnings_are_rate_limited_when_the_band_is_left_on_every_step(tmp_path):
     # A band nothing fits: every weight is out of it at every step, and each step a bias spikes in turn.
     rules = AlertRules(low=-20.0, high=-19.0)
-    caught, _ = train(tmp_path / "band.h5", steps=30, alerts=rules)
+    caught, _ = train(tmp_path / "band.h5", steps=20, alerts=rules)
     alerts = [w for w in caught if issubclass(w.category, TrainingAlert)]
     assert 1 <= len(alerts) <= MAX_WARNINGS + 2
     with upd.open_run(tmp_path / "band.h5") as run:
@@ -147,22 +153,21 @@ def test_warnings_are_rate_limited_when_the_band_is_left_on_every_step(tmp_path)
     assert set(band["param"]) == WEIGHTS and set(band["step"]) == {0}  # one event per weight: it never came back
 
 
+@pytest.mark.slow  # a real training run (the spiked one is shared by the module)
 def test_the_flight_recorder_dumps_on_an_alert(tmp_path):
     # spike_factor 1e9: the flight recorder's own total-norm rule never fires; the per-weight alert does.
-    _, rec = train(tmp_path / "flight.h5", spike_at=SPIKE_STEP, flight_recorder=64, spike_factor=1e9,
-                   stats_every=1)
+    _, rec = train(tmp_path / "flight.h5", steps=SPIKE_STEP + 3, spike_at=SPIKE_STEP, flight_recorder=64,
+                   spike_factor=1e9)
     reasons = [d["reason"] for d in rec.dumps]
     assert reasons and reasons[0].startswith(f"alert at step {SPIKE_STEP}")
     with upd.open_run(tmp_path / "flight.h5") as run:
         assert SPIKE_STEP in set(run.steps()["step"])  # its full record is in the file
+    _, rec = train(tmp_path / "control.h5", steps=SPIKE_STEP + 3, spike_at=SPIKE_STEP, flight_recorder=64,
+                   spike_factor=1e9, alerts=False)
+    assert rec.dumps == []  # the dump above was the alert's: the flight recorder's own rule did not fire
 
 
-def test_without_alerts_no_dump_from_the_same_run(tmp_path):
-    _, rec = train(tmp_path / "flight.h5", spike_at=SPIKE_STEP, flight_recorder=64, spike_factor=1e9,
-                   stats_every=1, alerts=False)
-    assert rec.dumps == []
-
-
+@pytest.mark.slow  # a real training run (the spiked one is shared by the module)
 def test_live_checker_equals_check_step(spiked):
     """The vectorised live checker, fed the recorded statistics one step at a time, raises exactly the alerts
     check_step does, parameter by parameter (and fails when a rule differs: a changed threshold shows)."""
@@ -190,6 +195,7 @@ def test_live_checker_equals_check_step(spiked):
     assert sorted(map(repr, both(AlertRules(high=-2.8))[1])) != sorted(map(repr, expected))  # the check can fail
 
 
+@pytest.mark.slow  # a real training run (the spiked one is shared by the module)
 def test_a_hostile_events_table_is_refused(spiked, tmp_path):
     path, _, _ = spiked
     bad = tmp_path / "bad.h5"
@@ -204,3 +210,33 @@ def test_a_hostile_events_table_is_refused(spiked, tmp_path):
         f.create_dataset(schema.EVENTS, data=["x" * (schema.MAX_EVENT_BYTES + 1)], dtype=h5py.string_dtype())
     with upd.open_run(bad) as run, pytest.raises(upd.RunFileError, match="limit"):
         run.events()
+
+
+def run_live(names, ratio_at, steps):
+    live, stored, texts = LiveAlerts(AlertRules()), [], []
+    live.store = stored.extend
+    for step in range(steps):
+        live.check(0, step, 0.0, names, {alert_rules.UPDATE_TO_DATA: ratio_at(step)}, np.ones(len(names), bool))
+        texts += live.take()[0]
+    return live, stored, texts
+
+
+def test_the_warnings_stay_bounded_when_alerts_come_and_go_on_every_step():
+    """50 weights leaving the band at every other step for 200 steps: each return is a new alert, stored, but each
+    (kind, weight) is warned about once. 200 weights leaving it one after the other: the warnings stop at
+    MAX_WARNINGS plus one saying so, and the close counts them all."""
+    names = [f"layer{i}.weight" for i in range(50)]
+    live, stored, texts = run_live(names, lambda step: np.full(len(names), -1.0 if step % 2 == 0 else -3.0), 200)
+    assert len(stored) == 50 * 100 and len(texts) == 1  # one warning names them all (the first 4, "and 46 more")
+    assert "and 46 more" in texts[0]
+
+    names = [f"layer{i}.weight" for i in range(200)]
+
+    def one_out(step):
+        ratio = np.full(len(names), -3.0)
+        ratio[step] = -1.0
+        return ratio
+    live, stored, texts = run_live(names, one_out, 200)
+    assert len(stored) == 200
+    assert len(texts) == MAX_WARNINGS + 1 and "run.events()" in texts[-1]
+    assert live.closing_text().startswith("torch-upd: 200 training alerts in all")

@@ -199,6 +199,9 @@ class Recorder:
                 sinks = [TensorBoard(tensorboard), *sinks]
             # A split job's rank 0 feeds the job's combined statistics (_feed_job_step), not its own part's.
             self._sinks = SinkFeed(sinks, self._warn_sink, alerts=self._alerts)
+        if role == SINKS_JOB and self._alerts is not None and self.rank_setup.rank == 0:
+            warnings.warn("torch-upd: alerts= is not checked in a job whose ranks hold parts of the parameters (this "
+                          "version); recording goes on without it.", RecorderWarning, stacklevel=3)
         # A split job's live statistics: every rank adds its parts' statistics, rank 0 feeds the sinks (job_scalars).
         if role == SINKS_JOB:
             self._job_scalars = JobScalars(self.rank_setup.rank, self.rank_setup.world_size, stats_every,
