@@ -82,6 +82,8 @@ def spectral_norms(matrices: torch.Tensor, iterations: int = POWER_ITERATIONS, s
 
 
 def _spectral_norms(matrices: torch.Tensor, iterations: int, seed: int) -> np.ndarray:
+    import torch  # here, as in real_numbers
+
     a = matrices.to(torch.complex128 if matrices.is_complex() else torch.float64)
     if a.shape[-1] == 0 or a.shape[-2] == 0:
         return np.zeros(a.shape[0])
@@ -116,6 +118,8 @@ def spectral_update_to_data(before: torch.Tensor, after: torch.Tensor, iteration
 def spectral_update_to_data_batch(before: torch.Tensor, after: torch.Tensor,
                                   iterations: int = POWER_ITERATIONS) -> np.ndarray:
     """spectral_update_to_data of each record of a batch: before/after shaped (B, *weight_shape)."""
+    import torch  # here, as in real_numbers
+
     if before.dim() < 3:
         return np.full(before.shape[0], np.nan)
     wide = torch.complex128 if before.is_complex() else torch.float64

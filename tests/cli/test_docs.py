@@ -87,3 +87,21 @@ def test_cli_loads_rules_from_a_module(tmp_path, monkeypatch):
         assert result.exit_code == 2 and "could not load replay rules" in result.output
     finally:
         upd.replay.unregister(Lion)
+
+
+def test_every_pip_install_in_the_docs_installs_from_a_clone():
+    """torch-upd is not published on PyPI: `pip install "torch-upd[x]"` fails for every reader. Every install line
+    in README.md and docs/ names the clone ("." with an extra pyproject.toml declares) or a third-party package."""
+    import tomllib
+
+    root = os.path.dirname(DOCS)
+    with open(os.path.join(root, "pyproject.toml"), "rb") as f:
+        extras = set(tomllib.load(f)["project"]["optional-dependencies"])
+    texts = {"README.md": open(os.path.join(root, "README.md")).read()}
+    texts.update({f"docs/{n}": open(os.path.join(DOCS, n)).read() for n in os.listdir(DOCS) if n.endswith(".md")})
+    lines = [(name, line) for name, text in texts.items() for line in re.findall(r"pip install[^`\n]*", text)]
+    assert lines
+    for name, line in lines:
+        assert "torch-upd" not in line and "torch_upd" not in line, (name, line)
+        for extra in re.findall(r"\.\[([a-z,]+)\]", line):
+            assert set(extra.split(",")) <= extras, (name, line)

@@ -359,3 +359,18 @@ def test_ranks_outside_a_distributed_job_is_checked_and_otherwise_ignored(tmp_pa
     assert rec.rank_setup is None and rec.records == 1
     with upd.open_run(str(tmp_path / "x.h5")) as run:
         assert "distributed" not in run.meta
+
+
+@pytest.mark.slow
+def test_info_says_a_ddp_file_recorded_by_rank_0_is_the_whole_job(job):
+    from click.testing import CliRunner
+    from upd.cli.main import main
+
+    folder, _ = job
+    path = os.path.join(folder, "ddp.h5")
+    out = CliRunner().invoke(main, ["info", path]).output
+    assert "this file is the whole job" in out, out
+    assert "the whole job: upd info" not in out and "that rank's part" not in out
+    replica = rank_path(os.path.join(folder, "replicas.h5"), 1, 2)  # ranks="all": each file one replica's part
+    out = CliRunner().invoke(main, ["info", replica]).output
+    assert "this file holds that rank's part; the whole job: upd info" in out, out

@@ -77,3 +77,74 @@ def run_kills(kills: int, seed: int, low: float = 0.2, high: float = 2.0, workdi
 def ok(result: dict) -> bool:
     return (result["error"] is None and result["readable"] is not None and
             result["readable"] >= result["acknowledged"] and result["verify"] in (0, None))
+
+
+# -- kills aimed at the moments the writer creates objects -------------------------------------------------------
+# The child kills itself (SIGKILL, from the writer thread) in the middle of writing what a moment creates: the rows
+# of its first record (every parameter's group is new), of the record after add_param_group (the new group's
+# parameters), of the second record (Adam's state datasets appear in groups readers already see), or of the first
+# statistics rows (the statistics table is new). 400 small parameters: enough new objects that HDF5 writes part of
+# its metadata to disk before the flush, which is what made such files unreadable.
+AIMED_CHILD = textwrap.dedent("""
+    import os, signal, sys, time, torch, upd
+    from upd.runfile import full_rows, stats_table
+    moment = sys.argv[2]
+    torch.manual_seed(0)
+    first = torch.nn.Sequential(*[torch.nn.Linear(4, 4) for _ in range(2)])
+    later = torch.nn.Sequential(*[torch.nn.Linear(4, 4) for _ in range(200)])  # 400 parameters
+    model = torch.nn.Sequential(first, later)
+    params = list(model.parameters()) if moment in ("first_record", "new_state", "first_stats") else \\
+        list(first.parameters())
+    opt = torch.optim.Adam(params, lr=1e-3)
+    # Which call of the patched write kills: three quarters through the parameters that moment brings.
+    kill_at = {"first_record": 300, "new_state": 404 + 300, "new_group": 2 * 4 + 4 + 300, "first_stats": 1}[moment]
+    calls = [0]
+    target = (stats_table.StatsTableWriter, "write") if moment == "first_stats" else (full_rows.ParamRows, "write")
+    original = getattr(*target)
+
+    def write(self, *args, **kwargs):
+        result = original(self, *args, **kwargs)
+        calls[0] += 1
+        if calls[0] == kill_at:  # after this part's rows, before the flush that would commit them
+            os.kill(os.getpid(), signal.SIGKILL)
+        return result
+    setattr(*target, write)
+    rec = upd.record(sys.argv[1], model, opt, every=None if moment == "first_stats" else 1, stats_every=1)
+    for step in range(3):  # the last moment (new_group) is in the third record
+        if moment == "new_group" and step == 2:
+            opt.add_param_group({"params": list(later.parameters()), "lr": 1e-4})
+        model(torch.randn(8, 4)).pow(2).mean().backward()
+        opt.step(); opt.zero_grad()
+        while moment != "first_stats" and rec._writer.records_written <= step:  # one record per commit: the
+            time.sleep(0.01)  # count of writes above is that of these records alone
+""")
+
+AIMED_MOMENTS = ("first_record", "new_group", "new_state", "first_stats")
+# Records committed before each moment's kill (its own record is never committed).
+AIMED_COMMITTED = {"first_record": 0, "new_group": 2, "new_state": 1, "first_stats": 0}
+
+
+def aimed_kill(path: str, moment: str) -> dict:
+    """Run AIMED_CHILD for `moment` (it kills itself there) and read what it left: records, statistics rows,
+    parameters listed, or the error."""
+    proc = subprocess.run([sys.executable, "-c", AIMED_CHILD, path, moment], capture_output=True, text=True,
+                          timeout=300)
+    import upd
+
+    result = {"moment": moment, "returncode": proc.returncode, "records": None, "stats_rows": None, "params": None,
+              "steps": None, "error": None}
+    try:
+        with upd.open_run(path) as run:
+            opt = run.optimizers[0]
+            result.update(records=opt.num_records, stats_rows=len(opt.committed_stats_steps()),
+                          params=len(run.params()), steps=len(run.steps()))
+    except Exception as exc:
+        result["error"] = f"{type(exc).__name__}: {exc}"
+    return result
+
+
+def aimed_ok(result: dict) -> bool:
+    """Killed where aimed, readable, holding exactly the records committed before that moment."""
+    return (result["returncode"] == -signal.SIGKILL and result["error"] is None
+            and result["records"] == AIMED_COMMITTED[result["moment"]]
+            and (result["moment"] != "first_stats" or result["stats_rows"] == 0))

@@ -1,4 +1,6 @@
 """resume=True: a training restarted from a checkpoint appends to the same run with the right step numbers."""
+import copy
+
 import h5py
 import numpy as np
 import pytest
@@ -91,3 +93,39 @@ def test_resume_drops_the_half_written_record_of_a_crash(tmp_path):
         assert list(p.records) == [0, 1, 2, 3, 4]
         assert not (p.read("param") == 123.0).any()
     assert upd.verify(path).exit_code == 0
+
+
+def test_resume_from_an_older_checkpoint_truncates_the_run(tmp_path):
+    """nanoGPT's pattern: a checkpoint after step 3, two more steps recorded, then a restart from the checkpoint. The
+    documented rule (docs/reliability.md, "Resume"): the run is truncated back to the resumed step, with one warning;
+    steps(), info and verify then see one history. Before the rule, steps 4 and 5 were there twice."""
+    path = str(tmp_path / "run.h5")
+    torch.manual_seed(0)
+    model = MLP()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    with upd.record(path, model, opt, stats_every=1) as rec:
+        train_steps(model, opt, steps=4, seed=1)
+        checkpoint = copy.deepcopy({"model": model.state_dict(), "opt": opt.state_dict()})  # as torch.save would
+        rec.log(loss=1.0)  # scalar rows of the steps to be dropped too
+        train_steps(model, opt, steps=2, seed=3)
+    model2 = MLP()
+    model2.load_state_dict(checkpoint["model"])
+    opt2 = torch.optim.Adam(model2.parameters(), lr=1e-2)
+    opt2.load_state_dict(checkpoint["opt"])
+    with pytest.warns(upd.RecorderWarning, match="resumes at step 4.*truncated back.*2 full record") as caught:
+        with upd.record(path, model2, opt2, stats_every=1, resume=True):
+            train_steps(model2, opt2, steps=3, seed=2)
+    assert sum("truncated back" in str(w.message) for w in caught) == 1
+    with upd.open_run(path) as run:
+        steps = run.steps()
+        assert steps["step"].tolist() == list(range(7))  # one row per step, none twice
+        assert steps["record"].tolist() == list(range(7)) and steps["stats_row"].tolist() == list(range(7))
+        assert run.param("fc1.weight").num_rows == 7
+        assert (run.scalars()["step"] >= 4).sum() == 3  # the dropped step 4's loss went with it
+        assert run.resumes[-1]["truncated"] == [{"optimizer": 0, "from_step": 4, "records": 2, "stats_rows": 2,
+                                                 "scalar_rows": 2}]
+        info = run.describe()["optimizers"][0]
+        assert info["records"] == info["stats_steps"] == 7
+    report = upd.verify(path)
+    assert report.exit_code == 0, report.summary()
+    assert len(report.checks[report.checks["param"] == "fc1.weight"]) == 7  # verify counts what info counts

@@ -70,8 +70,8 @@ def test_file_text_reaches_the_terminal_escaped(tmp_path):
         after = f[f"{PARAMS}/{EVIL}/{schema.KIND_PARAM_AFTER}"]
         after[5] = after[5] * 1.5
     outputs = {}
-    for args in (("info",), ("analyze", "--no-plots"), ("verify",), ("advise",)):
-        code, out, err = _invoke(*args, path)
+    for args in (("info", "--wide"), ("analyze", "--no-plots", "--wide"), ("verify", "--wide"), ("advise",)):
+        code, out, err = _invoke(*args, path)  # --wide: names whole (by default one this long is shortened)
         assert code == (1 if args[0] == "verify" else 0), (args, out, err)
         outputs[args[0]] = out + err
     for command, text in outputs.items():

@@ -411,7 +411,9 @@ STRUCTURE_MUTATIONS = [
     ("records/wall_time 2**40 rows (ignored beyond step)", lambda f: f[REC_WALL_TIME].resize((BIG,)),
      STILL_VALID),
     ("record index 2**40 rows", lambda f: f[P_RECORD].resize((BIG,)), BROKEN),
-    ("record index padded with zeros", lambda f: f[P_RECORD].resize((30,)), BROKEN),
+    # rows past the committed ones that read as the fill value: what a kill mid-record leaves (tests/harness/kill.py,
+    # AIMED_CHILD), read as uncommitted
+    ("record index padded with zeros", lambda f: f[P_RECORD].resize((30,)), STILL_VALID),
     ("record index shorter (fewer rows)", lambda f: f[P_RECORD].resize((7,)), STILL_VALID),
     ("param rows fewer than records", lambda f: f[P_PARAM].resize(4, axis=0), TENSORS_LAZY),
     ("grad rows 2**40 (ignored beyond the records)", lambda f: f[P_GRAD].resize(BIG, axis=0), STILL_VALID),
@@ -551,6 +553,12 @@ STATS_MUTATIONS = [
     ("values all NaN (no parameter had a gradient)", lambda f: f[ST_VALUES].__setitem__(slice(None), np.nan),
      STATS_ONLY),
     ("no values yet (table not started)", lambda f: f.__delitem__(ST_VALUES), STATS_ONLY),
+    ("stats/backward_pass shorter than the steps", lambda f: f[stat(schema.BACKWARD_PASS)].resize((1,)), BROKEN),
+    ("stats/backward_pass float", lambda f: _replace_dataset(f, stat(schema.BACKWARD_PASS),
+                                                             f[stat(schema.BACKWARD_PASS)][()].astype("f8")), BROKEN),
+    ("stats/hparams missing", lambda f: f.__delitem__(stat(schema.HPARAMS)), BROKEN),
+    ("stats/hparams not JSON (groups unknown, the rest reads)",
+     lambda f: f[stat(schema.HPARAMS)].__setitem__(slice(None), "[["), STATS_ONLY),
 ]
 
 

@@ -15,3 +15,16 @@ def test_sigkill_keeps_every_acknowledged_record(tmp_path):
     for r in results:
         assert kill.ok(r), r
     assert results[-1]["acknowledged"] > 0
+
+
+def test_kills_aimed_at_new_objects_leave_the_last_commit(tmp_path):
+    """A kill while the first record, the record after add_param_group, the record where Adam's state appears, or
+    the first statistics rows are being written: the file reads as the last commit left it (no committed records
+    for the first record). Before the writer linked new objects at their commit, the first three files were
+    unreadable ("bad heap free list", "record indices ... not in increasing order", "len not positive after
+    adjustment for EOA")."""
+    results = [kill.aimed_kill(str(tmp_path / f"{moment}.h5"), moment) for moment in kill.AIMED_MOMENTS]
+    for r in results:
+        assert kill.aimed_ok(r), r
+    first = results[0]
+    assert first["records"] == first["params"] == first["steps"] == 0

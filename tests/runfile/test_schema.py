@@ -137,4 +137,4 @@ def test_paths_are_found_through_the_schema():
     with pytest.raises(KeyError, match="declares no member 'loss'"):
         schema.RECORD_TABLE.at("loss", k=0)
     with pytest.raises(KeyError):
-        schema.STATS_TABLE.dataset(schema.HPARAMS)
+        schema.STATS_TABLE.dataset(schema.CLOSURE_LOSSES)

@@ -18,7 +18,8 @@ import numpy as np
 import pandas as pd
 
 from ..runfile.job import Job
-from ..runfile.reader import Run, open_run
+from ..runfile.reader import Run
+from ..runfile.opening import open_run
 from ..safe_text import terminal_safe
 from .summary import is_weight, model_order_keys
 

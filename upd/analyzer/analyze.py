@@ -9,7 +9,8 @@ import pandas as pd
 
 from ..outputs import make_output_dir, open_output, write_csv
 from ..runfile.job import Job
-from ..runfile.reader import Run, open_run
+from ..runfile.reader import Run
+from ..runfile.opening import open_run
 from ..alert_rules import AlertRules
 from ..replay.engine import replica_checks
 from ..runfile.job import REPLICATED
@@ -115,16 +116,18 @@ def _stats_if_any(run) -> pd.DataFrame | None:
 
 
 def analyze(run, out_dir=None, *, thresholds: Thresholds = Thresholds(), hist_step: int | None = None,
-            all_params: bool = False, plots: bool | None = None, metric: str = "std") -> Analysis:
+            all_params: bool = False, plots: bool | None = None, metric: str = "std", progress=None) -> Analysis:
     """Compute ratios and the summary of a run (path, or an open Run or Job).
 
     plots: draw the figures (default: when out_dir is given); their PNG bytes are in ``.images``. out_dir: write
     summary.csv there, and the PNGs when drawn (the folder is created if needed, never emptied). hist_step: the
     histograms' step (default: the first, middle and last full records); ValueError, before any work, when the
     run has no full-tensor record at that step. metric: the update:data figure's ratio, "std" (Karpathy's),
-    "rms" (||update||_F / ||weight||_F) or "spectral" (||update||_2 / ||weight||_2, full records only)."""
+    "rms" (||update||_F / ||weight||_F) or "spectral" (||update||_2 / ||weight||_2, full records only).
+    progress: called with the name of each stage of the work as it starts (a progress line)."""
     if metric not in METRICS:
         raise ValueError(f"metric must be one of {', '.join(METRICS)}, got {metric!r}")
+    stage = progress or (lambda label: None)
     plots = out_dir is not None if plots is None else plots
     own = not isinstance(run, (Run, Job))
     if own:
@@ -133,6 +136,7 @@ def analyze(run, out_dir=None, *, thresholds: Thresholds = Thresholds(), hist_st
         params = run.params()
         full_steps = full_record_steps(run, histogram_keys(params, all_params))
         hist_steps = compared_steps(full_steps, hist_step)
+        stage("computing the ratios")
         ratios = run.ratios()
         spectral, too_large = spectral_rows(run)
         metrics = metrics_table(ratios, spectral)
@@ -148,7 +152,8 @@ def analyze(run, out_dir=None, *, thresholds: Thresholds = Thresholds(), hist_st
 
             images = render_all(run, ratios, summary, thresholds=thresholds, hist_steps=hist_steps,
                                 all_params=all_params, sample=estimated_from_samples(ratios, run.options),
-                                metric=METRICS[metric], metrics=metrics)
+                                metric=METRICS[metric], metrics=metrics,
+                                drawing=lambda name: stage(f"drawing {name}"))
         written = []
         if out_dir is not None:
             make_output_dir(out_dir)

@@ -14,7 +14,9 @@ import pandas as pd
 
 from ..outputs import make_output_dir, open_output, write_csv
 from ..runfile.job import Job
-from ..runfile.reader import Run, open_run
+from ..runfile.reader import Run
+from ..runfile.opening import open_run
+from ..safe_text import text_table
 from .summary import FLAGGED_STATUSES, Thresholds, is_weight, model_order_keys, summarize
 
 QUANTITIES = {"update_to_data": "median_update_to_data", "grad_to_data": "median_grad_to_data"}
@@ -149,10 +151,12 @@ def compare(runs, labels: list[str] | None = None, *, out_dir=None, plots: bool 
     return comparison
 
 
-def format_comparison(table: pd.DataFrame) -> str:
-    """A comparison table as aligned text, ratios to 2 decimals, differences signed."""
+def format_comparison(table: pd.DataFrame, wide: bool = False) -> str:
+    """A comparison table as aligned text, ratios to 2 decimals, differences signed; names shortened to fit 100
+    columns unless `wide` (upd.safe_text.text_table)."""
     if table.empty:
         return "(no weight in any run)"
     shown = table.drop(columns=["optimizer"]) if table["optimizer"].nunique() == 1 else table.copy()
     formatters = {c: (lambda v: f"{v:+.2f}" if v == v else "-") for c in shown.columns if " - " in str(c)}
-    return shown.to_string(index=False, float_format=lambda v: f"{v:.2f}", na_rep="-", formatters=formatters)
+    return text_table(shown, formats=formatters, keep=[c for c in shown.columns if c != "shape"], wide=wide,
+                      wrap_headers=False)  # "bad - good" reads as one

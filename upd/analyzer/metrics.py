@@ -8,7 +8,7 @@ import torch
 
 from ..ratios import RMS_UPDATE_TO_DATA, SPECTRAL_UPDATE_TO_DATA, UPDATE_TO_DATA, rms_update_to_data, \
     spectral_update_to_data_batch
-from ..replay import blocks
+from ..runfile import tensor_blocks
 from ..runfile import schema
 from ..torch_threads import one_torch_thread
 from .summary import METRIC_MEDIAN_HEADERS, is_weight
@@ -36,7 +36,7 @@ def spread(count: int, limit: int) -> np.ndarray:
 def spectral_rows(run, max_records: int = MAX_SPECTRAL_RECORDS) -> tuple[pd.DataFrame, list[str]]:
     """(optimizer, param, step, spectral_update_to_data) of every weight at (at most max_records of) its full
     records holding the parameter before and after the step, and the names of the weights left out because a whole
-    matrix of theirs is larger than the analysis's block (blocks.BLOCK_ELEMENTS: power iteration needs the matrix
+    matrix of theirs is larger than the analysis's block (tensor_blocks.BLOCK_ELEMENTS: power iteration needs the matrix
     in memory, and the analysis reads at most a block of a parameter at a time)."""
     rows, too_large = [], []
     with one_torch_thread():
@@ -45,7 +45,7 @@ def spectral_rows(run, max_records: int = MAX_SPECTRAL_RECORDS) -> tuple[pd.Data
                 if not is_weight(p.shape) or p.num_rows == 0 or not (
                         schema.KIND_PARAM in p.kinds and schema.KIND_PARAM_AFTER in p.kinds):
                     continue
-                if p.numel > blocks.BLOCK_ELEMENTS:
+                if p.numel > tensor_blocks.BLOCK_ELEMENTS:
                     too_large.append(p.name)
                     continue
                 chosen = spread(p.num_rows, max_records)
@@ -63,7 +63,7 @@ def spectral_notes(too_large: list[str]) -> list[str]:
     """What the reader should know about weights without a spectral ratio."""
     if not too_large:
         return []
-    return [f"spectral ratio not computed for {len(too_large)} weight(s) over {blocks.BLOCK_ELEMENTS} elements "
+    return [f"spectral ratio not computed for {len(too_large)} weight(s) over {tensor_blocks.BLOCK_ELEMENTS} elements "
             f"(a whole matrix in memory): {', '.join(too_large[:4])}{' ...' if len(too_large) > 4 else ''}"]
 
 

@@ -31,6 +31,8 @@ from .summary import FLAGGED_STATUSES, Thresholds, is_weight, model_order_keys  
 
 LINE_PLOT_MAX_WEIGHTS = 10  # more weights than this: the ratios are drawn as a heatmap
 HISTOGRAM_MAX_PANELS = 48  # more weights than this: the flagged ones and an even spread of the others
+HISTOGRAM_COLUMNS = 4  # panels per row: the figure is then about 1200 px wide, shown unscaled in the HTML report
+HISTOGRAM_FONT = 8.5  # points (12 px at DPI): ticks and panel notes stay readable in the report
 HISTOGRAM_PERCENTILES = (1.0, 99.0)  # each panel's value range when far tails would flatten the rest
 TAILS_KEPT_UP_TO = 3.0  # the full extent is drawn unless it is this many times wider than the percentile range
 STAIRS_BELOW = 1000  # tensors with fewer values are drawn as step histograms
@@ -400,9 +402,9 @@ def histogram_figure(panels: list, *, title: str, value_label: str, flagged: dic
     panels: histogram_panels()."""
     flagged = flagged or {}
     n = max(1, len(panels))
-    ncols = min(n, 4 if n <= 8 else 6)
+    ncols = min(n, HISTOGRAM_COLUMNS)
     nrows = -(-n // ncols)
-    fig, axes = plt.subplots(nrows, ncols, figsize=(2.9 * ncols + 0.4, 2.1 * nrows + 1.1), squeeze=False,
+    fig, axes = plt.subplots(nrows, ncols, figsize=(2.9 * ncols + 0.4, 2.3 * nrows + 1.2), squeeze=False,
                              layout="constrained")
     all_steps = sorted({s for _, per_step in panels for s in per_step})
     palette = {1: STEP_COLOURS[-1:], 2: STEP_COLOURS[::2]}.get(len(all_steps), STEP_COLOURS)  # first light, last dark
@@ -410,7 +412,7 @@ def histogram_figure(panels: list, *, title: str, value_label: str, flagged: dic
     for ax, (key, per_step) in zip(axes.flat, panels):
         status = _status_of(flagged, key)
         ax.set_title(short_name(key_label(key, multi_optimizer), 34) + (f" [{status}]" if status else ""),
-                     fontsize=7.5, color=STATUS_COLOURS.get(status, "black"),
+                     fontsize=HISTOGRAM_FONT + 1, color=STATUS_COLOURS.get(status, "black"),
                      fontweight="bold" if status else "normal")
         span = robust_range(list(per_step.values()))
         if span is None:
@@ -434,12 +436,12 @@ def histogram_figure(panels: list, *, title: str, value_label: str, flagged: dic
         text = f"std {last.std():.2g}" if len(last) > 1 else ""
         if total and outside:
             text += f"\n{100 * outside / total:.1f}% outside"
-        ax.text(0.98, 0.95, text, transform=ax.transAxes, ha="right", va="top", fontsize=6.5, color="0.3",
+        ax.text(0.98, 0.95, text, transform=ax.transAxes, ha="right", va="top", fontsize=HISTOGRAM_FONT, color="0.3",
                 bbox={"facecolor": "white", "alpha": 0.75, "edgecolor": "none", "pad": 1})
-        ax.tick_params(labelsize=6.5)
-        ax.xaxis.set_major_locator(MaxNLocator(5))  # narrow panels: more tick labels would overlap
+        ax.tick_params(labelsize=HISTOGRAM_FONT)
+        ax.xaxis.set_major_locator(MaxNLocator(4))  # narrow panels: more tick labels would overlap
         ax.ticklabel_format(axis="x", style="sci", scilimits=(-2, 3))
-        ax.xaxis.get_offset_text().set_fontsize(6.5)
+        ax.xaxis.get_offset_text().set_fontsize(HISTOGRAM_FONT)
         ax.set_yticks([])
     for ax in axes.flat[len(panels):]:
         ax.axis("off")
@@ -447,15 +449,15 @@ def histogram_figure(panels: list, *, title: str, value_label: str, flagged: dic
         _no_data(axes.flat[0], "no full-tensor records to draw")
     for col in range(ncols):  # under the lowest drawn panel of each column
         lowest = max(i for i in range(col, max(len(panels), 1), ncols))
-        axes.flat[lowest].set_xlabel(value_label, fontsize=8)
+        axes.flat[lowest].set_xlabel(value_label, fontsize=HISTOGRAM_FONT + 1)
     for ax in axes[:, 0]:
-        ax.set_ylabel("density", fontsize=8)
+        ax.set_ylabel("density", fontsize=HISTOGRAM_FONT + 1)
     handles = [plt.Line2D([], [], color=colours[s], linewidth=2) for s in all_steps]
     if handles:
         fig.legend(handles, [f"step {s}" for s in all_steps], loc="outside lower center", ncol=len(handles),
-                   fontsize=8, frameon=False)
-    width_chars = int(fig.get_figwidth() * 10)
-    fig.suptitle("\n".join(textwrap.wrap(title + (f"; {note}" if note else ""), width_chars)), fontsize=9.5,
+                   fontsize=HISTOGRAM_FONT + 1, frameon=False)
+    width_chars = int(fig.get_figwidth() * 9)
+    fig.suptitle("\n".join(textwrap.wrap(title + (f"; {note}" if note else ""), width_chars)), fontsize=11,
                  x=0.01, ha="left")
     return fig
 
@@ -473,12 +475,14 @@ HISTOGRAM_FIGURES = (  # file name, kind, what the values are
 
 def render_all(run, ratios: pd.DataFrame, summary: pd.DataFrame, *, thresholds: Thresholds,
                hist_steps: list[int], all_params: bool = False, sample: int | None = None,
-               metric: str = "update_to_data", metrics: pd.DataFrame | None = None) -> dict[str, bytes]:
+               metric: str = "update_to_data", metrics: pd.DataFrame | None = None,
+               drawing=None) -> dict[str, bytes]:
     """The standard figures as {file name: PNG bytes}: update:data and grad:data over the steps (with lr and loss),
     and gradient and weight histograms at hist_steps (see compared_steps). sample: the K of a run whose statistics
     were estimated from K elements per tensor (stats_sample), said in the ratio figures' titles. metric: the ratio
     update_to_data.png draws, a column of `metrics` (analyzer/metrics.py: the RMS or spectral ratio instead of
-    the std ratio)."""
+    the std ratio). drawing(name): called as each figure starts (a progress line)."""
+    drawing = drawing or (lambda name: None)
     params = run.params()
     scalars = run.scalars() if hasattr(run, "scalars") else None
     flagged = {(r.optimizer, r.param): r.status for r in summary.itertuples()}
@@ -493,6 +497,7 @@ def render_all(run, ratios: pd.DataFrame, summary: pd.DataFrame, *, thresholds: 
             title = METRIC_TITLES[metric]
         if sample is not None:
             title += f"; per-step statistics estimated from {sample} elements of each larger tensor"
+        drawing(name)
         images[name] = png_bytes(ratio_figure(
             source, params, column, title=title, scalars=scalars, thresholds=thresholds if update else None,
             guide=thresholds.target if update else None, flagged=flagged, all_params=all_params))
@@ -503,7 +508,8 @@ def render_all(run, ratios: pd.DataFrame, summary: pd.DataFrame, *, thresholds: 
     chosen = pick_panels(keys, {k for k in keys if _status_of(flagged, k)}, HISTOGRAM_MAX_PANELS)
     note = f"{len(chosen)} of {len(keys)} weights: every flagged one, the rest spread in model order" \
         if len(chosen) < len(keys) else ""
-    for name, kind, what in HISTOGRAM_FIGURES:
+    for name, kind, what in HISTOGRAM_FIGURES if hist_steps else ():  # no full record: no figure (the notes say)
+        drawing(name)
         panels = histogram_panels(run, chosen, kind, hist_steps)
         title = f"{what} values per weight at step{'s' if len(hist_steps) > 1 else ''} " \
                 f"{', '.join(map(str, hist_steps))} (each panel its own range; far tails cut, counted as outside)"

@@ -12,6 +12,7 @@ import numpy as np
 import pandas as pd
 
 from ..alert_rules import is_weight  # declared with the rules: the live alerts judge the same weights
+from ..safe_text import text_table
 
 SUMMARY_COLUMNS = ["optimizer", "param", "shape", "records", "latest_update_to_data", "median_update_to_data",
                    "latest_grad_to_data", "median_grad_to_data", "nonfinite_grad_steps", "first_nonfinite_step",
@@ -100,8 +101,8 @@ def summarize(ratios: pd.DataFrame, params: pd.DataFrame, thresholds: Thresholds
 
 # The table's headers: the "latest" columns are the last recorded step's value (with a schedule decaying to 0 it
 # can sit far from the median), so the header says so.
-SUMMARY_HEADERS = {"latest_update_to_data": "update:data (last step)", "median_update_to_data": "(median)",
-                   "latest_grad_to_data": "grad:data (last step)", "median_grad_to_data": "(median) ",
+SUMMARY_HEADERS = {"latest_update_to_data": "update:data (last step)", "median_update_to_data": "update:data (median)",
+                   "latest_grad_to_data": "grad:data (last step)", "median_grad_to_data": "grad:data (median)",
                    "nonfinite_grad_steps": "NaN/Inf steps", "first_nonfinite_step": "first"}
 # The medians of the other update metrics analyze adds (analyzer/metrics.py), named for the table.
 METRIC_MEDIAN_HEADERS = {"median_rms_update_to_data": "rms (median)",
@@ -109,9 +110,10 @@ METRIC_MEDIAN_HEADERS = {"median_rms_update_to_data": "rms (median)",
 SUMMARY_HEADERS.update(METRIC_MEDIAN_HEADERS)
 
 
-def format_summary(summary: pd.DataFrame) -> str:
+def format_summary(summary: pd.DataFrame, wide: bool = False) -> str:
     """The summary as an aligned text table, ratios to 2 decimals: update:data and grad:data at the last recorded
-    step, each followed by its median over all records."""
+    step, each followed by its median over all records. Bounded: it fits 100 columns (names shortened, the columns
+    after the update:data ones left out as needed) unless `wide` (upd.safe_text.text_table)."""
     if summary.empty:
         return "(no recorded parameters)"
     shown = summary.drop(columns=["optimizer"]) if summary["optimizer"].nunique() == 1 else summary
@@ -119,4 +121,8 @@ def format_summary(summary: pd.DataFrame) -> str:
     shown["first_nonfinite_step"] = shown["first_nonfinite_step"].map(lambda v: "-" if v is None or v != v
                                                                       else str(int(v)))
     shown = shown.rename(columns=SUMMARY_HEADERS)
-    return shown.to_string(index=False, float_format=lambda v: f"{v:.2f}", na_rep="nan")
+    keep = ["optimizer", "param", SUMMARY_HEADERS["latest_update_to_data"], SUMMARY_HEADERS["median_update_to_data"],
+            "status"]
+    drop = ["records", "shape", SUMMARY_HEADERS["first_nonfinite_step"], SUMMARY_HEADERS["median_grad_to_data"],
+            SUMMARY_HEADERS["latest_grad_to_data"]]  # the least telling first; NaN/Inf steps stays longest
+    return text_table(shown, keep=keep, drop=drop, wide=wide)

@@ -6,7 +6,7 @@ import json
 import click
 
 from ..analyzer.advise import DEFAULT_TARGET, advise as advise_run, format_advice, parse_steps
-from ..runfile.reader import open_run
+from ..runfile.opening import open_run
 from .common import RUN_ARG, fail
 
 

@@ -9,35 +9,51 @@ import functools
 import importlib
 import json
 import os
+import textwrap
 
 import click
 
 from ..analyzer.analyze import SUMMARY_CSV, analyze as analyze_run
 from ..analyzer.clipping import clipping_lines
-from ..analyzer.report import verdict, write_report
+from ..analyzer.report import param_groups_of, verdict, write_report
 from ..analyzer.summary import Thresholds, format_summary
 from ..integrations.tensorboard import INSTALL_HINT, export_tables
 from ..replay import ReplayRuleError
 from ..replay.engine import verify as verify_run
-from ..runfile.reader import frozen_params, open_run
+from ..runfile.reader import frozen_params
+from ..runfile.opening import open_run
 from ..sinks.export import export_to_tracker, tracker_problem
 from ..outputs import derived_folder, input_files, refuse_inputs, write_csv
-from ..safe_text import terminal_safe, terminal_safe_frame
-from .common import RUN_ARG, fail
+from ..safe_text import TABLE_WIDTH, shorten, shorten_all, terminal_safe
+from .common import RUN_ARG, WIDE_OPTION, fail
+from .progress import Progress
 from .verify import report_text
 
 
-def echo_analysis(result, thresholds: Thresholds) -> None:
-    safe = dataclasses.replace(result, summary=terminal_safe_frame(result.summary))  # names: the file's text
-    click.echo(result.findings_text(terminal_safe) + "\n")  # findings first; names are the file's text
-    click.echo(format_summary(safe.summary))
-    click.echo("\n" + verdict(safe, thresholds))
+FINDING_CHARS = 600  # a finding longer than this (a file's 1 MB name in it) is shortened in the middle
+
+
+def wrapped(text: str, width: int = TABLE_WIDTH) -> str:
+    """Each line of text wrapped to `width` columns, continuation lines indented under the line's own text."""
+    lines = []
+    for line in text.splitlines():
+        indent = " " * (len(line) - len(line.lstrip()) + 3)
+        lines += textwrap.wrap(line, width, subsequent_indent=indent) or [""]
+    return "\n".join(lines)
+
+
+def echo_analysis(result, thresholds: Thresholds, wide: bool = False) -> None:
+    # Findings first; names are the file's text: escaped, bounded, and wrapped to the tables' width.
+    click.echo(wrapped(result.findings_text(lambda text: shorten(text, FINDING_CHARS))) + "\n")
+    click.echo(format_summary(result.summary, wide=wide))  # names: the file's text, shown escaped and bounded
+    shown = result.summary.assign(param=result.summary["param"].map(shorten))
+    click.echo("\n" + verdict(dataclasses.replace(result, summary=shown), thresholds))
     for note in result.notes:
         click.echo(terminal_safe(note))
 
 
 def frozen_lines(run) -> list[str]:
-    return [f"frozen (requires_grad=False; no gradient, not analyzed): {', '.join(frozen_params(opt))}"
+    return [f"frozen (requires_grad=False; no gradient, not analyzed): {shorten_all(frozen_params(opt))}"
             for opt in run.optimizers if frozen_params(opt)]
 
 
@@ -70,9 +86,22 @@ def make_folder(path: str, option: str) -> None:
         fail(f"{option} {path}: cannot create the folder ({exc.strerror or exc})")
 
 
-@click.command()
+class OneRunCommand(click.Command):
+    """analyze reads one run: a second RUN is someone looking for `upd compare` (one line saying so, exit 2)."""
+
+    def parse_args(self, ctx, args):
+        try:
+            return super().parse_args(ctx, args)
+        except click.UsageError as exc:
+            if "unexpected extra argument" not in exc.format_message():
+                raise
+            raise click.UsageError("analyze reads one run; to compare runs side by side: upd compare RUN RUN...",
+                                   ctx) from None
+
+
+@click.command(cls=OneRunCommand)
 @RUN_ARG
-@click.option("--out", "out_dir", type=click.Path(), default=None,  # make_folder says what is wrong in one line
+@click.option("--out", "out_dir", type=click.Path(), default=None, metavar="DIR",  # make_folder says what is wrong in one line
               help="Folder for the PNG plots and summary.csv (created if missing, never emptied). "
                    "Default: RUN's name without .h5, plus '-analysis'. With --no-plots, summary.csv alone, and only "
                    "when --out is given.")
@@ -108,8 +137,9 @@ def make_folder(path: str, option: str) -> None:
 @click.option("--mlflow", "to_mlflow", is_flag=True,
               help="Also export them to a new MLflow run (MLFLOW_TRACKING_URI, else ./mlflow.db; "
                    "MLFLOW_EXPERIMENT_NAME; needs the mlflow extra).")
+@WIDE_OPTION
 def analyze(run, out_dir, csv_path, html_path, with_verify, high, low, hist_step, all_params, no_plots, as_json,
-            metric, tb_dir, to_wandb, to_mlflow):
+            metric, tb_dir, to_wandb, to_mlflow, wide):
     """Compute update:data and grad:data ratios for every parameter and step of RUN.
 
     Prints one line per parameter, in model order: log10(std(update)/std(weight)) and log10(std(grad)/std(weight))
@@ -138,27 +168,29 @@ def analyze(run, out_dir, csv_path, html_path, with_verify, high, low, hist_step
             make_folder(out_dir, "--out")
         if r.live:
             click.echo(f"{run}: being written; analyzing the records committed so far\n")
-        try:
-            result = analyze_run(r, out_dir, thresholds=thresholds, hist_step=hist_step, all_params=all_params,
-                                 plots=not no_plots, metric=metric)
-        except ValueError as exc:  # a --step without a full record: checked before the ratios are computed
-            fail(f"--step: {exc}")
-        notes = clipping_lines(r) + frozen_lines(r)
-        scalars = r.scalars()
-        report = None
-        if with_verify:
+        with Progress("analyzing") as bar:  # on stderr, and only on a terminal
             try:
-                report = verify_run(r)
-            except ReplayRuleError as exc:
-                notes.append(f"verify could not run: {exc}")
+                result = analyze_run(r, out_dir, thresholds=thresholds, hist_step=hist_step, all_params=all_params,
+                                     plots=not no_plots, metric=metric, progress=bar.stage)
+            except ValueError as exc:  # a --step without a full record: checked before the ratios are computed
+                fail(f"--step: {exc}")
+            notes = clipping_lines(r) + frozen_lines(r)
+            scalars = r.scalars()
+            report = None
+            if with_verify:
+                try:
+                    report = verify_run(r, progress=lambda done, total: bar.update(done, total, "verifying"))
+                except ReplayRuleError as exc:
+                    notes.append(f"verify could not run: {exc}")
         description = r.describe() if html_path else None
+        groups = param_groups_of(r) if html_path else None
     if as_json:
         data = result.to_dict() | {"notes": result.notes + notes}
         if report is not None:
             data["verify"] = report.summary()
         click.echo(json.dumps(data, indent=2))  # JSON escapes control characters itself
     else:
-        echo_analysis(result, thresholds)
+        echo_analysis(result, thresholds, wide)
         for note in notes:
             click.echo(terminal_safe(note))
     say = functools.partial(click.echo, err=as_json)  # with --json, stdout holds the JSON alone
@@ -176,7 +208,8 @@ def analyze(run, out_dir, csv_path, html_path, with_verify, high, low, hist_step
         except Exception as exc:  # the tracker's own refusal (no login, a server that does not answer): one line
             fail(f"--{tracker}: the export failed ({type(exc).__name__}: {exc})")
     if html_path:
-        write_report(html_path, result, description, thresholds=thresholds, notes=notes, verify_report=report)
+        write_report(html_path, result, description, thresholds=thresholds, notes=notes, verify_report=report,
+                     groups=groups)
         say(f"report: {html_path}")
     if out_dir is not None:
         say(f"plots and {SUMMARY_CSV} in {out_dir}/" if result.plots else f"{SUMMARY_CSV} in {out_dir}/")

@@ -7,20 +7,21 @@ import sys
 import click
 
 from ..outputs import OutputError
-from ..exit_codes import EXIT_UNUSABLE
+from ..exit_codes import EXIT_INTERRUPTED, EXIT_UNUSABLE
 from ..runfile.reader import RunFileError
 from ..safe_text import terminal_safe
 
 EXIT_CODES = """\b
 Exit codes:
-  0  success (verify: every checked step matched)
-  1  verify: at least one recorded update differs from the replay
-  2  unusable input: missing or unreadable file, not a torch-upd run, bad option
-  3  verify: nothing verifiable (no replay rule for the optimizer, what the
-     replay needs was not recorded, or every check inconclusive: the
-     storage precision cannot tell the update from none)
-  4  verify: a replay rule failed (raised an error: a bug in the rule, named
-     with the step and parameter, not in the run file)
+    0  success (verify: every checked step matched)
+    1  verify: at least one recorded update differs from the replay
+    2  unusable input: missing or unreadable file, not a torch-upd run, bad option
+    3  verify: nothing verifiable (no replay rule for the optimizer, what the
+       replay needs was not recorded, or every check inconclusive: the
+       storage precision cannot tell the update from none)
+    4  verify: a replay rule failed (raised an error: a bug in the rule, named
+       with the step and parameter, not in the run file)
+  130  interrupted (Ctrl-C): nothing was concluded
 """
 
 
@@ -43,9 +44,9 @@ class ErrorLineGroup(click.Group):
         except click.ClickException as exc:
             exc.show()
             sys.exit(exc.exit_code)
-        except click.Abort:
-            click.echo("Aborted!", err=True)
-            sys.exit(1)
+        except click.Abort:  # click's name for Ctrl-C (KeyboardInterrupt) and for end of input at a prompt
+            click.echo("upd: interrupted", err=True)
+            sys.exit(EXIT_INTERRUPTED)
         sys.exit(result if isinstance(result, int) else 0)
 
     def invoke(self, ctx):
@@ -63,6 +64,11 @@ class ErrorLineGroup(click.Group):
                 raise
             fail(f"{type(exc).__name__}: {exc} (set UPD_DEBUG=1 for a traceback)")
 
+
+WIDE_OPTION = click.option("--wide", is_flag=True,
+                           help="Print every column of the tables and names up to 200 characters (default: fit 100 "
+                                "columns, long names shortened in the middle with '\u2026'; --json or the CSV files "
+                                "hold every name whole).")
 
 # readable=False: the reader reports an unreadable file in its own one line (click would print a usage error).
 RUN_ARG = click.argument("run", type=click.Path(dir_okay=True, readable=False, path_type=str))

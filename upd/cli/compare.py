@@ -11,11 +11,12 @@ import os
 import click
 
 from ..analyzer.compare import QUANTITIES, TABLE_CSV, compare as compare_runs, format_comparison
+from ..analyzer.report import VERDICT_NAMES
 from ..analyzer.summary import Thresholds
 from .analyze import make_folder
 from ..outputs import derived_folder, input_files, refuse_inputs
-from ..safe_text import terminal_safe, terminal_safe_frame
-from .common import fail
+from ..safe_text import shorten
+from .common import WIDE_OPTION, fail
 
 
 @click.command()
@@ -34,7 +35,8 @@ from .common import fail
               help="Flag a weight whose median update:data ratio (log10) is below this.")
 @click.option("--all-params", is_flag=True, help="Biases and norm scales too, not only weights (ndim >= 2).")
 @click.option("--no-plots", is_flag=True, help="Print the table only (and write compare.csv when --out is given).")
-def compare(runs, labels, out_dir, quantity, high, low, all_params, no_plots):
+@WIDE_OPTION
+def compare(runs, labels, out_dir, quantity, high, low, all_params, no_plots, wide):
     """Compare two or more runs (good init vs bad init, lr A vs lr B) weight by weight.
 
     Prints one row per weight, in model order, with each run's median ratio over its recorded steps (log10) side by
@@ -60,12 +62,14 @@ def compare(runs, labels, out_dir, quantity, high, low, all_params, no_plots):
     comparison = compare_runs(list(runs), list(labels) or None, out_dir=out_dir, plots=not no_plots,
                               thresholds=thresholds, all_params=all_params)
     click.echo(f"median {quantity.replace('_to_', ':')} (log10) per weight; differences from {comparison.labels[0]}")
-    click.echo(format_comparison(terminal_safe_frame(comparison.table(quantity, all_params))))  # the files' names
+    click.echo(format_comparison(comparison.table(quantity, all_params), wide=wide))  # names shown escaped, bounded
     flagged = comparison.summaries[comparison.summaries["status"].isin(["HIGH", "LOW"])]
     for label in comparison.labels:
         part = flagged[flagged["run"] == label]
         if len(part):
+            more = f", and {len(part) - VERDICT_NAMES} more" if len(part) > VERDICT_NAMES else ""
             click.echo(f"{label}: {len(part)} weight(s) flagged: "
-                       + ", ".join(f"{terminal_safe(r.param)} {r.status}" for r in part.itertuples()))
+                       + ", ".join(f"{shorten(r.param)} {r.status}" for r in part.head(VERDICT_NAMES).itertuples())
+                       + more)
     if out_dir is not None:
         click.echo(f"figures and {TABLE_CSV} in {out_dir}/" if comparison.plots else f"{TABLE_CSV} in {out_dir}/")

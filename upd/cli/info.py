@@ -10,16 +10,19 @@ import click
 
 from ..analyzer.clipping import summarize_clipping
 from ..runfile import schema
-from ..runfile.reader import open_run
-from ..safe_text import terminal_safe_data
-from .common import RUN_ARG
+from ..runfile.opening import open_run
+import pandas as pd
+
+from ..safe_text import WIDE_CELL_CHARS, shorten, shorten_all, terminal_safe_data, text_table
+from .common import RUN_ARG, WIDE_OPTION
 
 EVENTS_SHOWN = 10  # events listed in the terminal (--json lists them all)
 
 @click.command()
 @RUN_ARG
-@click.option("--json", "as_json", is_flag=True, help="Print the description as JSON.")
-def info(run, as_json):
+@click.option("--json", "as_json", is_flag=True, help="Print the description as JSON (every name whole).")
+@WIDE_OPTION
+def info(run, as_json, wide):
     """Show what RUN holds: optimizers, param groups, parameters with shapes, steps, size.
 
     For a distributed job's path: its world size, what each rank's file holds (and which steps it lacks), and how
@@ -46,20 +49,19 @@ def info(run, as_json):
     click.echo(f"{desc['path']}: {kind}, format v{desc['format_version']}, {desc['size_bytes'] / 1e6:.2f} MB"
                + (", being written (this shows the records committed so far)" if desc["live"] else ""))
     rank_of = desc.get(schema.META_DISTRIBUTED)
-    if rank_of:
-        click.echo(f"  rank {rank_of.get('rank')} of a job of {rank_of.get('world_size')} processes "
-                   f"({rank_of.get('parallelism')}): this file holds that rank's part; the whole job: "
-                   f"upd info {rank_of.get('job_path')}")
-    click.echo(f"  recorded {when} with torch {desc['torch_version']}, upd {desc['upd_version']}")
+    if isinstance(rank_of, dict):
+        click.echo("  " + distributed_text(rank_of))
+    click.echo(f"  recorded {when} with torch {shorten(desc['torch_version'])}, upd {shorten(desc['upd_version'])}")
     if "closed_cleanly" in desc:
         click.echo("  " + lifecycle_text(desc))
     opts = desc["options"]
-    click.echo(f"  options: every={opts.get('every')} stats_every={opts.get('stats_every')} what={','.join(opts.get('what', []))} "
+    click.echo(shorten(f"  options: every={opts.get('every')} stats_every={opts.get('stats_every')} "
+               f"what={','.join(map(str, opts.get('what', [])))} "
                f"dtype={opts.get('dtype')} compression={opts.get('compression')}"
                + (f" stats_sample={opts['stats_sample']} (statistics estimated from a sample of that many elements "
                   f"of each larger tensor)" if opts.get("stats_sample") else "")
                + (f" include={opts['include']}" if opts.get("include") else "")
-               + (f" exclude={opts['exclude']}" if opts.get("exclude") else ""))
+               + (f" exclude={opts['exclude']}" if opts.get("exclude") else ""), 2 * WIDE_CELL_CHARS))
     for rank in job["ranks"] if job else []:
         held = ", ".join(f"optimizer {o['index']}: {o['records']} full-tensor records, {o['stats_steps']} statistics "
                          f"steps" for o in rank["optimizers"])
@@ -68,19 +70,18 @@ def info(run, as_json):
                    + (f"; lacks steps {lacks} (the job reads the steps every rank holds)" if lacks else ""))
     for opt in desc["optimizers"]:
         span = f"steps {opt['first_step']}..{opt['last_step']}" if opt["records"] else "no steps"
-        click.echo(f"optimizer {opt['index']}: {opt['class']}, {opt['param_groups']} param group(s), "
-                   f"{opt['records']} full-tensor records ({span}), {opt['stats_steps']} statistics steps")
-        width = max([len(p["name"]) for p in opt["params"]] + [5])
-        for p in opt["params"]:
-            shape = "x".join(map(str, p["shape"])) or "scalar"
-            where = f"  {p['layout']} on ranks {','.join(map(str, p['ranks']))}" if "layout" in p else ""
-            click.echo(f"  {p['name']:<{width}}  {shape:>12}  {p['dtype'] or '?':>8}  group {p['group']}  "
-                       f"{p['rows']:>5} rows  state: {','.join(p['state']) or '-'}{where}")
+        stats_span = f" (steps {opt['first_recorded_step']}..{opt['last_recorded_step']})" \
+            if opt["stats_steps"] and opt.get("first_recorded_step") is not None else ""
+        click.echo(f"optimizer {opt['index']}: {shorten(opt['class'])}, {opt['param_groups']} param group(s), "
+                   f"{opt['records']} full-tensor records ({span}), {opt['stats_steps']} statistics steps{stats_span}")
+        if opt["params"]:
+            click.echo(_indent(text_table(param_table(opt["params"]), keep=["param", "shape", "rows", "stats rows"],
+                                          wide=wide)))
         if opt.get("frozen"):
             click.echo(f"  frozen (requires_grad=False when recording started; no gradient, no rows): "
-                       f"{', '.join(opt['frozen'])}")
+                       f"{shorten_all(opt['frozen'])}")
     if desc["scalars"]["steps"]:
-        click.echo(f"logged scalars at {desc['scalars']['steps']} steps: {', '.join(desc['scalars']['names'])} "
+        click.echo(f"logged scalars at {desc['scalars']['steps']} steps: {shorten_all(desc['scalars']['names'])} "
                    "(run.scalars(), run.steps())")
     for clipping in desc["clipping"]:
         click.echo(clipping["text"])
@@ -93,7 +94,35 @@ def info(run, as_json):
         if len(desc["events"]) > EVENTS_SHOWN:
             click.echo(f"  ... and {len(desc['events']) - EVENTS_SHOWN} more")
     if desc["params_not_optimized"]:
-        click.echo(f"model parameters in no optimizer: {', '.join(desc['params_not_optimized'])}")
+        click.echo(f"model parameters in no optimizer: {shorten_all(desc['params_not_optimized'])}")
+
+
+def distributed_text(rank_of: dict) -> str:
+    """What a rank's file of a distributed job is: the whole job when rank 0 alone recorded (replicated training,
+    DDP: the replicas are identical and rank 0 wrote the job's path itself), else that rank's part."""
+    job = f"rank {rank_of.get('rank')} of a job of {rank_of.get('world_size')} processes ({rank_of.get('parallelism')})"
+    if rank_of.get("recording_ranks") == [0]:
+        return (f"{job}, the one rank that recorded: this file is the whole job (replicated training: every rank "
+                "held the same parameters and took the same steps)")
+    return (f"{job}: this file holds that rank's part; the whole job: upd info "
+            f"{shorten(rank_of.get('job_path'), WIDE_CELL_CHARS)}")
+
+
+def param_table(params: list[dict]) -> pd.DataFrame:
+    """One row per parameter of Run.describe()'s optimizer entry, as `upd info` prints it."""
+    rows = []
+    for p in params:
+        row = {"param": p["name"], "shape": "x".join(map(str, p["shape"])) or "scalar", "dtype": p["dtype"] or "?",
+               "group": p["group"], "rows": p["rows"], "stats rows": p.get("stats_rows", 0),
+               "state": ",".join(p["state"]) or "-"}
+        if "layout" in p:
+            row["ranks"] = f"{p['layout']} on ranks {','.join(map(str, p['ranks']))}"
+        rows.append(row)
+    return pd.DataFrame(rows)
+
+
+def _indent(text: str) -> str:
+    return "\n".join("  " + line for line in text.splitlines())
 
 
 def lifecycle_text(desc: dict) -> str:

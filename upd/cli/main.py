@@ -17,6 +17,16 @@ COMMANDS = {"info": ".info", "analyze": ".analyze", "verify": ".verify", "demo":
             "compare": ".compare", "advise": ".advise"}
 
 
+# What `upd --help` lists for each command (click would cut each docstring's first sentence at 45 characters).
+SUMMARIES = {"info": "what a run file (or a distributed job) holds",
+             "analyze": "update:data and grad:data ratios: table, plots, HTML report",
+             "compare": "two or more runs side by side, weight by weight",
+             "verify": "replay the optimizer's math against the recorded updates",
+             "advise": "per-layer learning-rate advice from the update:data ratios",
+             "demo": "train a small model, record it, analyze it, verify it",
+             "record": "record a training program without editing it: RUN -- COMMAND"}
+
+
 class _CommandsWhenUsed(ErrorLineGroup):
     def list_commands(self, ctx):
         return sorted(COMMANDS)
@@ -24,7 +34,9 @@ class _CommandsWhenUsed(ErrorLineGroup):
     def get_command(self, ctx, name):
         if name not in COMMANDS:
             return None
-        return getattr(importlib.import_module(COMMANDS[name], __package__), name)
+        command = getattr(importlib.import_module(COMMANDS[name], __package__), name)
+        command.short_help = command.short_help or SUMMARIES.get(name)
+        return command
 
 
 @click.group(cls=_CommandsWhenUsed, epilog=EXIT_CODES, context_settings={"help_option_names": ["-h", "--help"]})

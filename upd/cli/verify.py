@@ -12,21 +12,37 @@ from ..replay import ReplayRuleError, load_plugins
 from ..replay.engine import EXIT_RULE_FAILED, verify as verify_run
 from ..replay.registry import check_tolerances
 from ..outputs import write_csv
-from ..safe_text import terminal_safe, terminal_safe_frame
-from ..runfile.reader import frozen_params, open_run
-from .common import RUN_ARG, fail
+from ..safe_text import LISTED_NAMES, shorten, shorten_all, terminal_safe_frame, text_table
+from ..runfile.reader import frozen_params
+from ..runfile.opening import open_run
+from ..analyzer.report import VERIFY_COLUMNS_TEXT, VERIFY_HEADERS, verify_table
+from .common import RUN_ARG, WIDE_OPTION, fail
+from .progress import Progress
+
+
+LINE_CHARS = 1000  # a problem or note line quoting the file (a name, a value) is bounded too
 
 
 def report_text(report) -> str:
     """report.summary() with every string from the file in it (names, notes, problems) escaped for the terminal:
     escaped one by one, so that a name holding a newline cannot add a line of its own."""
-    return dataclasses.replace(report, path=terminal_safe(report.path), checks=terminal_safe_frame(report.checks),
-                               problems=[terminal_safe(p) for p in report.problems],
-                               precision_notes=[terminal_safe(n) for n in report.precision_notes],
-                               params_not_optimized=[terminal_safe(n) for n in report.params_not_optimized]).summary()
+    checks = terminal_safe_frame(report.checks)
+    checks["param"] = checks["param"].map(shorten)
+    checks["note"] = checks["note"].map(lambda n: shorten(n, LINE_CHARS))
+    return dataclasses.replace(report, path=shorten(report.path, LINE_CHARS), checks=checks,
+                               problems=[shorten(p, LINE_CHARS) for p in report.problems],
+                               precision_notes=[shorten(n, LINE_CHARS) for n in report.precision_notes],
+                               params_not_optimized=listed(report.params_not_optimized)).summary()
 
 
-@click.command()
+def listed(names: list) -> list[str]:
+    """The first LISTED_NAMES names shortened, and how many more there are (--json has every one)."""
+    more = [f"and {len(names) - LISTED_NAMES} more"] if len(names) > LISTED_NAMES else []
+    return [shorten(n) for n in names[:LISTED_NAMES]] + more
+
+
+@click.command(epilog="The table, one row per parameter: checked (its recorded steps replayed), mismatched, "
+                      + VERIFY_COLUMNS_TEXT + " result: ok, FAIL, inconclusive or skipped (docs/verify.md).")
 @RUN_ARG
 @click.option("--rtol", type=float, default=None,
               help="Override each rule's tolerance relative to the largest update (see docs/verify.md).")
@@ -41,7 +57,8 @@ def report_text(report) -> str:
                    "loaded.")
 @click.option("--jobs", "-j", type=click.IntRange(min=1), default=1, show_default=True,
               help="Processes sharing the parameters and their steps: this one and N-1 workers (one core each).")
-def verify(run, rtol, ulps, as_json, csv_path, rule_modules, jobs):
+@WIDE_OPTION
+def verify(run, rtol, ulps, as_json, csv_path, rule_modules, jobs, wide):
     """Replay the optimizer's math for every recorded step of RUN and compare with the recorded update.
 
     Each step is recomputed in float64 from the recorded parameter, gradient, optimizer state and param-group
@@ -68,7 +85,8 @@ def verify(run, rtol, ulps, as_json, csv_path, rule_modules, jobs):
     except Exception as exc:
         fail(f"could not load replay rules: {type(exc).__name__}: {exc}")
     try:
-        report = verify_run(run, rtol=rtol, ulps=ulps, jobs=jobs, rule_modules=rule_modules)
+        with Progress("verifying") as bar:  # on stderr, and only on a terminal
+            report = verify_run(run, rtol=rtol, ulps=ulps, jobs=jobs, rule_modules=rule_modules, progress=bar.update)
     except ReplayRuleError as exc:
         if os.environ.get("UPD_DEBUG"):
             raise
@@ -89,24 +107,18 @@ def verify(run, rtol, ulps, as_json, csv_path, rule_modules, jobs):
     else:
         by_param = report.by_param()
         if len(by_param):
-            cols = ["param", "checked", "mismatched", "err_to_tol", "update_rel_err", "first_mismatch_step", "result"]
-            if report.inconclusive:
-                cols.insert(cols.index("mismatched") + 1, "inconclusive")
-            if "first_mismatch_rank" in by_param:  # a distributed job
-                cols.insert(cols.index("first_mismatch_step") + 1, "first_mismatch_rank")
-            if report.checks["optimizer"].nunique() > 1:
-                cols.insert(0, "optimizer")
-            shown = terminal_safe_frame(by_param[cols].astype(object).where(by_param[cols].notna(), "-"))
-            click.echo(shown.to_string(index=False, formatters={
-                c: (lambda v: v if isinstance(v, str) else f"{v:.2g}") for c in ("err_to_tol", "update_rel_err")}))
+            shown = verify_table(by_param).drop(columns=["explanation"], errors="ignore")  # the MISMATCH lines say it
+            click.echo(text_table(shown.rename(columns=VERIFY_HEADERS), wide=wide,
+                                  keep=["optimizer", "param", "mismatched", "first mismatch", "result"],
+                                  formats={h: (lambda v: f"{v:.2g}") for h in ("err/tol", "err/update")}))
         click.echo(report_text(report))
         for line in frozen_lines(run):
-            click.echo(terminal_safe(line))
+            click.echo(line)
     sys.exit(report.exit_code)
 
 
 def frozen_lines(path) -> list[str]:
     """One line per optimizer that held parameters with requires_grad=False: they have nothing to verify."""
     with open_run(path) as r:
-        return [f"frozen (requires_grad=False; no gradient, not verified): {', '.join(frozen_params(opt))}"
+        return [f"frozen (requires_grad=False; no gradient, not verified): {shorten_all(frozen_params(opt))}"
                 for opt in r.optimizers if frozen_params(opt)]

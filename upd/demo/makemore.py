@@ -100,12 +100,16 @@ def split_loss(model: MLP, X: torch.Tensor, Y: torch.Tensor) -> float:
         model.train(was_training)
 
 
-def train(path, *, steps: int = 300, init: str = "good", seed: int = 0, batch_size: int = 32, lr: float = 0.1,
-          every: int = 1, n_hidden: int = 48, n_layers: int = 4, log=print) -> dict:
+DEFAULT_STEPS = 300
+
+
+def train(path, *, steps: int = DEFAULT_STEPS, init: str = "good", seed: int = 0, batch_size: int = 32, lr: float = 0.1,
+          every: int = 1, n_hidden: int = 48, n_layers: int = 4, log=print, progress=None) -> dict:
     """Train the MLP on the shipped names with SGD, recording every ``every``-th step to the run file ``path``.
 
     The learning rate drops from ``lr`` to ``lr / 10`` for the last quarter of the steps (as in the video), so the
-    recorded ratios also show what a learning-rate decay does. Deterministic for a given ``seed``.
+    recorded ratios also show what a learning-rate decay does. Deterministic for a given ``seed``. ``progress``:
+    called as ``progress(steps_done, steps)`` after each step (a progress bar).
 
     Returns a dict: path, init, seed, steps, records, train_loss_start (the first minibatch's loss), final_loss and
     val_loss (whole train / held-out split after training), losses (every minibatch loss), seconds.
@@ -138,6 +142,8 @@ def train(path, *, steps: int = 300, init: str = "good", seed: int = 0, batch_si
                 losses.append(loss.item())
                 if log is not None and (i % max(1, steps // 10) == 0 or i == steps - 1):
                     log(f"{i:5d}/{steps}: loss {losses[-1]:.4f}  lr {optimizer.param_groups[0]['lr']:g}")
+                if progress is not None:
+                    progress(i + 1, steps)
                 scheduler.step()
             records = rec.records
 

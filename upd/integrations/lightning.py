@@ -29,7 +29,10 @@ import os
 import torch
 
 from ..recorder import record
+from ..sinks import TensorBoard
 from ..sinks.base import metrics
+from ..sinks.mlflow import MLflow
+from ..sinks.wandb import WandB
 from ._callback_base import IdleSink, RecorderCallback, ShiftedSink, step_offset
 
 INSTALL_HINT = 'pip install "torch-upd[lightning]"'
@@ -160,16 +163,10 @@ def _sink(logger, offset: int):
     from lightning.pytorch.loggers import MLFlowLogger, TensorBoardLogger, WandbLogger
 
     if isinstance(logger, WandbLogger):
-        from ..sinks.wandb import WandB
-
         return WandB(logger.experiment, step_metric=WANDB_STEP, step_offset=offset)
     if isinstance(logger, MLFlowLogger):
-        from ..sinks.mlflow import MLflow
-
         return MLflow(logger.run_id, tracking_uri=logger.experiment.tracking_uri, step_offset=offset)
     if isinstance(logger, TensorBoardLogger):
-        from ..sinks import TensorBoard
-
         return ShiftedSink(TensorBoard(logger.experiment), offset)
     return QueuedSink(logger, offset)
 

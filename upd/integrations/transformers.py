@@ -32,7 +32,10 @@ import torch
 from ..recorder import record
 from ..recorder.logged_scalars import name_problem, scalar_problem
 from ..runfile import schema
-from ..runfile.reader import open_run
+from ..runfile.opening import open_run
+from ..sinks import TensorBoard
+from ..sinks.mlflow import MLflow
+from ..sinks.wandb import WandB
 from ._callback_base import IdleSink, RecorderCallback, ShiftedSink, step_offset
 
 # Works before torch-upd itself is installed from a clone, where "torch-upd[transformers]" cannot be resolved.
@@ -141,8 +144,6 @@ class UpdCallback(RecorderCallback, _CallbackBase):
 def _wandb_sink(offset: int):
     import wandb
 
-    from ..sinks.wandb import WandB
-
     return None if wandb.run is None else WandB(wandb.run, step_metric=WANDB_STEP, step_offset=offset)
 
 
@@ -157,8 +158,6 @@ def logging_interval(args) -> int:
 def _mlflow_sink(offset: int, every: int):
     import mlflow
 
-    from ..sinks.mlflow import MLflow
-
     active = mlflow.active_run()  # the Trainer's MLflowCallback started it on this thread
     if active is None:
         return None
@@ -167,8 +166,6 @@ def _mlflow_sink(offset: int, every: int):
 
 
 def _tensorboard_sink(callbacks: list, offset: int):
-    from ..sinks import TensorBoard
-
     # A writer of its own in the TensorBoardCallback's log dir (TensorBoard shows one run per folder): that callback
     # closes its writer in on_train_end, before this callback's on_train_end closes the recorder, whose last steps
     # are then still to be written.

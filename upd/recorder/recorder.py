@@ -34,7 +34,7 @@ from .logged_scalars import HOST_BATCH_STEPS, kept, name_problem, scalar_problem
 from .job_scalars import JobScalars, Slot
 from .options import RecordOptions, record_signature
 from .naming import ParamNames, is_selected, model_names, named_parameters, patterns, uncompiled
-from .resume import has_step_counter, initial_step, resume_problems
+from .resume import has_step_counter, initial_step, resume_problems, truncation_text
 from .sampled_stats import SampledPool, SampledStep
 from .snapshots import (cpu_copy, dtensor_class, hparams_snapshot, local_part, refuse_unlike_param,
                         shard_layout, state_snapshot, wait_for_copies)
@@ -373,6 +373,9 @@ class Recorder:
             last = self._writer.last_step(index)
             if last is not None:
                 self._steps_done[index] = max(self._steps_done[index], last + 1)
+        dropped = self._writer.truncate_from(index, self._steps_done[index])  # a checkpoint older than the run
+        if truncation_text(self.path, index, self._steps_done[index], dropped):
+            warnings.warn(truncation_text(self.path, index, self._steps_done[index], dropped), RecorderWarning, 4)
 
     # -- backward-pass counting -------------------------------------------------------------------------------
     def _hook_backward_counter(self, param: torch.Tensor) -> None:

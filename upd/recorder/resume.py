@@ -2,6 +2,13 @@
 
 Records of one run are compared step by step and parameter by parameter by name, so a resumed run must hold the same
 optimizer class and the same parameters with the same shapes; anything else belongs in a new file.
+
+A checkpoint is often older than the last recorded step (nanoGPT saves at its evaluation, then takes more steps
+before it stops): the steps after it are trained again. The rule (docs/reliability.md, "Resuming"): the run is
+truncated back to the resumed step, dropping every record, statistics row and logged scalar of the steps the
+restarted training repeats, so the file holds one history, the one the model went through; the recorder warns once
+with what it dropped, and ``run.resumes`` keeps it (``truncated``). ``upd info`` and ``upd verify`` then count the
+same records.
 """
 from __future__ import annotations
 
@@ -38,3 +45,15 @@ def resume_problems(index: int, stored: dict, now: dict) -> list[str]:
         if reshaped:
             problems.append(f"shapes changed: {'; '.join(reshaped)}")
     return problems
+
+
+def truncation_text(path: str, index: int, step: int, dropped: dict) -> str | None:
+    """The one warning of a resume that truncated the run (RunWriter.truncate_from's counts), None if it did not."""
+    if not any(dropped.values()):
+        return None
+    parts = [f"{dropped[key]} {label}" for key, label in (("records", "full record(s)"),
+                                                           ("stats_rows", "statistics row(s)"),
+                                                           ("scalar_rows", "logged-scalar row(s)")) if dropped[key]]
+    return (f"torch-upd: {path}: optimizer {index} resumes at step {step}, before the last recorded step: the run was "
+            f"truncated back to it ({', '.join(parts)} of steps >= {step} dropped; they were trained again from the "
+            "checkpoint). run.resumes lists what each resume dropped.")

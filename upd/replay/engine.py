@@ -17,7 +17,8 @@ import torch
 from .. import exit_codes
 from ..runfile import encoding, schema, tensor_blocks
 from ..runfile.job import Job
-from ..runfile.reader import OptimizerRun, ParamRecord, Run, RunFileError, open_run
+from ..runfile.reader import OptimizerRun, ParamRecord, Run, RunFileError
+from ..runfile.opening import open_run
 from ..runfile.record import holds_part
 from . import batch, blocks, hparams, parallel
 from .explain import explain
@@ -209,7 +210,7 @@ class VerifyReport:
 
 
 def verify(run, *, rtol: float | None = None, ulps: float | None = None, jobs: int = 1,
-           rule_modules=()) -> VerifyReport:
+           rule_modules=(), progress=None) -> VerifyReport:
     """Replay every recorded step of every optimizer and compare with the recorded result.
 
     ``run`` is a path or an open ``upd.Run`` or ``Job`` (a distributed job: every rank's file is replayed as it is,
@@ -217,7 +218,8 @@ def verify(run, *, rtol: float | None = None, ulps: float | None = None, jobs: i
     rule's documented tolerance (finite, >= 0: ValueError otherwise). ``jobs``: processes sharing the parameters
     and their steps, this one and jobs - 1 workers (parallel.py; ``rule_modules``: modules the workers import for
     rules registered outside the run's own rule modules). Raises ``RunFileError`` for an unusable file and
-    ``upd.replay.ReplayRuleError`` when a replay rule raises (a bug in the rule).
+    ``upd.replay.ReplayRuleError`` when a replay rule raises (a bug in the rule). ``progress``: called as
+    ``progress(done, total)`` while replaying, in recorded elements (a parameter's size times its rows; a progress bar).
     """
     check_tolerances(rtol, ulps)
     if not isinstance(jobs, int) or jobs < 1:
@@ -230,6 +232,15 @@ def verify(run, *, rtol: float | None = None, ulps: float | None = None, jobs: i
         files = job.ranks if job is not None else {None: run}
         replays = {(rank, opt.index): OptimizerReplay.of(file, opt, rtol=rtol, ulps=ulps)
                    for rank, file in files.items() for opt in file.optimizers}
+        total = sum(p.numel * p.num_rows for file in files.values() for opt in file.optimizers
+                    for p in opt.param_records.values())
+        done = [0]
+
+        def replayed(p: ParamRecord) -> None:
+            done[0] += p.numel * p.num_rows
+            if progress is not None:
+                progress(done[0], total)
+
         found = _parallel(files, replays, jobs, rule_modules, rtol, ulps) if jobs > 1 and not run.live else None
         checks, problems = [], []  # checks: (rank or None, Check)
         per_param: dict[tuple[int, str], tuple[ParamRecord, list]] = {}  # for the precision notes, over ranks
@@ -244,7 +255,8 @@ def verify(run, *, rtol: float | None = None, ulps: float | None = None, jobs: i
                 coverage = _coverage(opt)
                 if coverage and coverage not in problems:
                     problems.append(coverage)
-                computed = optimizer_checks(replay, list(opt.param_records.values())) if found is None else None
+                computed = optimizer_checks(replay, list(opt.param_records.values()), replayed=replayed) \
+                    if found is None else None
                 for p in opt.param_records.values():
                     param_found = (found[(file.path, opt.index, p.name)] if found is not None
                                    else computed[p.name])
@@ -378,15 +390,27 @@ def param_checks(replay: OptimizerReplay, p: ParamRecord, block_elements: int | 
     return list(checks.values())
 
 
-def optimizer_checks(replay: OptimizerReplay, params: list, block_elements: int | None = None) -> dict[str, list]:
+def optimizer_checks(replay: OptimizerReplay, params: list, block_elements: int | None = None,
+                     replayed=None) -> dict[str, list]:
     """{name: param_checks(replay, p)} for parameters of one optimizer, the small parameters of each param group
     that share their records replayed together as one tensor (batch.py); the others, and every parameter of a
-    batch that cannot be replayed as one or whose check mismatches, one by one."""
+    batch that cannot be replayed as one or whose check mismatches, one by one. replayed(p): called once per
+    parameter when its checks are done (verify's progress)."""
     block_elements = block_elements or tensor_blocks.BLOCK_ELEMENTS
+    replayed = replayed or (lambda p: None)
     out: dict[str, list] = {}
     for members in _batches(replay, params, block_elements):
         out.update(_batch_checks(replay, members))
-    return {p.name: out[p.name] if p.name in out else param_checks(replay, p, block_elements) for p in params}
+        for p, _ in members:
+            if p.name in out:
+                replayed(p)
+    checks = {}
+    for p in params:
+        if p.name not in out:
+            out[p.name] = param_checks(replay, p, block_elements)
+            replayed(p)
+        checks[p.name] = out[p.name]
+    return checks
 
 
 def _batches(replay: OptimizerReplay, params: list, block_elements: int) -> list[list]:

@@ -8,9 +8,11 @@ Nothing outside this package names an HDF5 group, dataset or attribute: ask ``sc
 - reading: ``errors`` (RunFileError, the I/O edge), ``guards`` (HDF5 byte-level checks), ``validate`` (structure
   checks against the schema), ``reader`` (Run, OptimizerRun, ParamRecord), ``param_index`` (every parameter listed
   in one attribute, written at close), ``stats_table``;
-- a distributed job: ``ranks`` (which file each rank writes), ``job`` (Job: the rank files read as one run).
+- a distributed job: ``ranks`` (which file each rank writes), ``job`` (Job: the rank files read as one run);
+- ``opening``: open_run, a path to a Run or a Job.
 """
-from .reader import OptimizerRun, ParamRecord, Run, RunFileError, open_run
+from .reader import OptimizerRun, ParamRecord, Run, RunFileError
+from .opening import open_run
 
 __all__ = ["Run", "Job", "OptimizerRun", "ParamRecord", "RunFileError", "open_run"]
 

@@ -521,6 +521,9 @@ class AsyncRunWriter:
         """Wait until everything queued so far is written (held statistics rows too) and its on_written hook ran."""
         self._call(lambda: None)
 
+    def truncate_from(self, index: int, step: int) -> dict:
+        return self._call(_writer_method, self._shared, "truncate_from", index, step)
+
     def _shutdown(self) -> None:
         with self._close_lock:
             if self._closed:

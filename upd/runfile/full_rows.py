@@ -143,7 +143,11 @@ OpenTensor = Callable[[h5py.Group, str, "torch.Tensor", int, "str | None"], h5py
 class ParamRows:
     """One parameter's group: its datasets' handles, its row count and its state keys, kept between records."""
 
-    def __init__(self, group: h5py.Group, open_tensor: OpenTensor, storage_dtype: str):
+    def __init__(self, group: h5py.Group, open_tensor: OpenTensor, storage_dtype: str,
+                 at_commit: Callable[[Callable[[], None]], None] | None = None):
+        """at_commit: how the writer defers a change readers must not see before the record's commit (the state
+        keys attribute, which names datasets that are linked at the commit); None: made at once."""
+        self._at_commit = at_commit or (lambda change: change())
         self.group = group
         self.state_group = group[schema.STATE_GROUP]
         self.record_index = Rows(group[schema.RECORD_INDEX])
@@ -193,7 +197,8 @@ class ParamRows:
         if new:
             keys.extend(new)
             self.state_present.widen(len(keys))
-            self.state_group.attrs[schema.STATE_KEYS] = encoding.to_json(keys)
+            text, group = encoding.to_json(keys), self.state_group
+            self._at_commit(lambda: group.attrs.__setitem__(schema.STATE_KEYS, text))
         present = np.zeros((len(states), len(keys)), "u1")
         for k, key in enumerate(keys):
             rows = [(row + i, tensor) for i, state in enumerate(states) if (tensor := state.get(key)) is not None]

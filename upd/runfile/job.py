@@ -31,9 +31,9 @@ from .errors import RunFileError
 from .ranks import rank_files, rank_path
 from .validate import shape_problem
 from .ratio_table import ratios_table
-from .reader import (DEFAULT_BLOCK_BYTES, DUMP_COLUMNS, EVENT_COLUMNS, ParamHistory, ParamRecord, Run, RunReader,
-                     clip_rows, describe_optimizer, steps_table)
-from .stats_table import stats_param_meta
+from .reader import (DEFAULT_BLOCK_BYTES, DUMP_COLUMNS, EVENT_COLUMNS, PARAMS_COLUMNS, ParamHistory, ParamRecord,
+                     Run, RunReader, clip_rows, describe_optimizer, param_entries, params_row, steps_table)
+from .stats_table import in_model_order, stats_param_meta
 
 __all__ = ["Job", "JobOptimizer", "JobParam", "ParamLayout", "is_job_path", "param_layout",
            "SHARDED", "PARTITION", "REPLICATED"]
@@ -343,6 +343,11 @@ class JobOptimizer:
         self.learning_rates = self.primary.learning_rates[rows]
         self.rank_stats_steps = {r: o.committed_stats_steps() for r, o in self.rank_optimizers.items()}
         self.stats_steps = common_steps(list(self.rank_stats_steps.values()))
+        # What the lowest rank's statistics rows say of those steps (backward passes, wall times, lrs): as a file's
+        own = self.primary.stats_table_steps
+        at = positions(own.steps, self.stats_steps)
+        self.stats_table_steps = own._replace(steps=self.stats_steps, backward_passes=own.backward_passes[at],
+                                              wall_times=own.wall_times[at], learning_rates=own.learning_rates[at])
         parallelism = job.parallelism
         self.param_records: dict[str, JobParam] = {}
         for name, holders in self._holders(lambda o: {n: p.meta for n, p in o.param_records.items()}).items():
@@ -383,6 +388,19 @@ class JobOptimizer:
 
     def committed_stats_steps(self) -> np.ndarray:
         return self.stats_steps
+
+    @property
+    def num_param_groups(self) -> int:
+        return self.primary.num_param_groups
+
+    def stats_state_keys(self) -> list[str]:
+        return self.primary.stats_state_keys()
+
+    def step_hparams(self, step: int) -> list[dict] | None:
+        """The param groups' hyperparameters at a step of the job (the lowest rank's), None for another step."""
+        if step not in self.steps and step not in self.stats_steps:
+            return None
+        return self.primary.step_hparams(step)
 
     def scalars(self):
         """The logged scalars of the lowest recording rank (each rank logs its own: a loss is usually the same)."""
@@ -515,24 +533,16 @@ class Job(RunReader):
     # -- tables -----------------------------------------------------------------------------------------------
     def params(self) -> pd.DataFrame:
         """One row per logical parameter, as Run.params() (shape the whole tensor's), with its layout and ranks."""
-        rows = [{"optimizer": p.optimizer.index, "param": p.name, "shape": p.shape, "numel": p.numel,
-                 "dtype": p.dtype, "group": p.param_group, "rows": p.num_rows, "kinds": ",".join(p.kinds),
-                 "state": ",".join(p.state_keys), "layout": p.layout, "ranks": p.ranks}
-                for p in self.iter_params()]
+        rows = []
         for opt in self.optimizers:
-            for name, meta in opt.stats_param_meta().items():
-                if name not in opt.param_records:
-                    shape = tuple(meta.get("shape") or ())
-                    layout = opt.stats_layouts[name]
-                    rows.append({"optimizer": opt.index, "param": name, "shape": shape,
-                                 "numel": int(np.prod(shape)) if shape else 1, "dtype": meta.get("dtype"),
-                                 "group": meta.get("group"), "rows": 0, "kinds": "", "state": "",
-                                 "layout": layout.layout, "ranks": layout.ranks})
-        return pd.DataFrame(rows, columns=["optimizer", "param", "shape", "numel", "dtype", "group", "rows",
-                                           "kinds", "state", "layout", "ranks"])
+            for entry in param_entries(opt, opt.stats_param_meta()):
+                where = opt.param_records.get(entry["name"]) or opt.stats_layouts[entry["name"]]
+                rows.append(params_row(opt, entry) | {"layout": where.layout, "ranks": list(where.ranks)})
+        return pd.DataFrame(rows, columns=PARAMS_COLUMNS + ["layout", "ranks"])
 
     def steps(self) -> pd.DataFrame:
-        """One row per record of the job (a step every rank file committed), as Run.steps()."""
+        """One row per step of the job with a record or a statistics row every rank file committed (and per step
+        that logged scalars), as Run.steps()."""
         return steps_table(self.optimizers)
 
     def dumps(self) -> pd.DataFrame:
@@ -590,7 +600,7 @@ class Job(RunReader):
             return pd.DataFrame(columns=["optimizer", "param", "step", "lr"])
         out = pd.concat(frames, ignore_index=True)
         out = out[["optimizer", "param"] + [c for c in out.columns if c not in ("optimizer", "param")]]
-        return out.sort_values(["optimizer", "param", "step"], kind="stable").reset_index(drop=True)
+        return in_model_order(out, {opt.index: opt.stats_param_meta() for opt in self.optimizers})
 
     def ratios(self, block_bytes: int = DEFAULT_BLOCK_BYTES, source: str = "auto") -> pd.DataFrame:
         """As Run.ratios(), for the whole tensors: from stitched full records, or from the shards' statistics

@@ -23,7 +23,8 @@ from .errors import Reading, RunFileError, phrase
 from .guards import GuardedFile
 from .ratio_table import ratios_table
 from .scalars_table import KEY_COLUMNS as SCALAR_KEY_COLUMNS, scalars_frame
-from .stats_table import committed_stats_rows, stats_frame, stats_param_meta
+from .stats_table import committed_stats_rows, hparams_rows, stats_frame, stats_param_meta, stats_state_keys
+from .step_table import model_order, step_frame
 from .validate import Validator, check_path, event_entry, json_value, link_type
 
 if TYPE_CHECKING:
@@ -92,9 +93,8 @@ class ParamRecord(ParamHistory):
         check, where = self._check, self._where
         with check.reading(where):
             links = validate.link_types(group)  # one pass over the group's links serves every lookup below
-        records = validate.record_index(check, group, where, links)
         # Rows whose record was never committed (a crash mid-record) do not exist for readers.
-        records = records[records < self.optimizer.num_records]
+        records = validate.record_index(check, group, where, links, committed=self.optimizer.num_records)
         # {kind: storage dtype}, its datasets checked at the first read (validate.ParamDatasets: opening stays cheap)
         storage = validate.ParamDatasets(check, group, where, self.shape, len(records), links,
                                          None if self._listed is None else self._listed.kinds)
@@ -354,7 +354,8 @@ class OptimizerRun:
         # HDF5 lists names alphabetically (layers.10 before layers.3); show them in the optimizer's order.
         records.sort(key=lambda p: (p.param_group or 0, p.meta.get("index_in_group") or 0))
         self.param_records: dict[str, ParamRecord] = {p.name: p for p in records}
-        validate.stats_table(check, group, where)  # the per-step statistics table (stats_table reads it)
+        # the per-step statistics table (stats_table reads its values): what its rows say of their steps
+        self.stats_table_steps = validate.stats_table(check, group, where)
 
     def _param_index(self, check: Validator, params: h5py.Group, names: list, where: str) -> dict | None:
         """{group name: its entry} from the parameter index (param_index.py), or None when there is none or it
@@ -409,9 +410,40 @@ class OptimizerRun:
 
     def committed_stats_steps(self) -> np.ndarray:
         """The optimizer step of each committed row of the statistics table (empty without one)."""
+        return self.stats_table_steps.steps
+
+    def stats_state_keys(self) -> list[str]:
+        """The optimizer state keys the statistics table holds statistics of."""
         with self._reading("the statistics table"):
-            rows = committed_stats_rows(self)
-            return self._group[schema.STATS][schema.COMMIT_COLUMN][:rows] if rows else np.zeros(0, np.int64)
+            return stats_state_keys(self)
+
+    @property
+    def num_param_groups(self) -> int:
+        """Param groups the records or the statistics rows saw (the most at any step)."""
+        return max(self.learning_rates.shape[1] if self.learning_rates.ndim == 2 else 0,
+                   self.stats_table_steps.learning_rates.shape[1])
+
+    def step_hparams(self, step: int) -> list[dict] | None:
+        """The param groups' hyperparameters at an optimizer step, from its record, else its statistics row (lr as
+        scheduled at that step); None for a step with neither."""
+        at = np.nonzero(self.steps == step)[0]
+        if len(at):
+            return self.hparams(int(at[-1]))
+        rows = np.nonzero(self.stats_table_steps.steps == step)[0]
+        if not len(rows):
+            return None
+        return self.stats_hparams(int(rows[-1]))
+
+    def stats_hparams(self, row: int) -> list[dict] | None:
+        """The param groups' hyperparameters at a statistics row; None when the file does not say."""
+        ds, n = self.stats_table_steps.hparams, len(self.stats_table_steps.steps)
+        if not 0 <= row < n:
+            raise IndexError(f"statistics row {row} out of range ({n} rows)")
+        where = f"optimizer {self.index}: {schema.STATS}/{schema.HPARAMS}[:{row + 1}]"
+        self.run._validator().vlen_rows(ds, range(row + 1), where)  # a row stores its changes: read up to it
+        with self._reading(f"{schema.STATS}/{schema.HPARAMS}"):
+            texts = list(ds[:row + 1])
+        return hparams_rows(texts, self.stats_table_steps.learning_rates[:row + 1])[row]
 
     def __repr__(self) -> str:
         return (f"<OptimizerRun {self.index} {self.class_name}: {len(self.param_records)} params, "
@@ -538,22 +570,14 @@ class Run(RunReader):
     # -- overview ---------------------------------------------------------------------------------------------
     # -- tables: every DataFrame is a method call (it reads the file) --------------------------------------------
     def params(self) -> pd.DataFrame:
-        """One row per recorded parameter (optimizer, param, shape, numel, dtype, group, rows, kinds, state)."""
-        rows = [{"optimizer": p.optimizer.index, "param": p.name, "shape": p.shape, "numel": p.numel,
-                 "dtype": p.dtype, "group": p.param_group, "rows": p.num_rows,
-                 "kinds": ",".join(p.kinds), "state": ",".join(p.state_keys)}
-                for p in self.iter_params()]
-        for opt in self.optimizers:  # parameters that only have per-step statistics
+        """One row per recorded parameter, full records or statistics rows or both, in model order (optimizer, param,
+        shape, numel, dtype, group, rows, stats_rows, kinds, state)."""
+        rows = []
+        for opt in self.optimizers:
             with self._reading(f"the statistics table of optimizer {opt.index}"):
                 stats_meta = stats_param_meta(opt)
-            for name, meta in stats_meta.items():
-                if name not in opt.param_records:
-                    shape = tuple(meta.get("shape") or ())
-                    rows.append({"optimizer": opt.index, "param": name, "shape": shape,
-                                 "numel": int(np.prod(shape)) if shape else 1, "dtype": meta.get("dtype"),
-                                 "group": meta.get("group"), "rows": 0, "kinds": "", "state": ""})
-        return pd.DataFrame(rows, columns=["optimizer", "param", "shape", "numel", "dtype", "group", "rows",
-                                           "kinds", "state"])
+            rows += [params_row(opt, p) for p in param_entries(opt, stats_meta)]
+        return pd.DataFrame(rows, columns=PARAMS_COLUMNS)
 
     def steps(self) -> pd.DataFrame:
         """One row per committed record (optimizer, record, step, backward_pass, wall_time, lr per param group) and
@@ -676,22 +700,21 @@ def scalars_table(optimizers) -> pd.DataFrame:
 
 
 def steps_table(optimizers) -> pd.DataFrame:
-    """``steps()``: one row per committed record of each optimizer (a Run's, or a Job's aligned ones), and per step
-    that logged scalars without a record; one column per logged scalar. A step without a record has <NA> in
-    ``record`` and ``backward_pass`` (then of pandas' nullable Int64 dtype) and NaN learning rates."""
+    """``steps()``: one row per step of each optimizer (a Run's, or a Job's aligned ones) that has a committed
+    record, a statistics row (``step_table.step_frame``), or logged scalars; one column per logged scalar.
+    ``record`` and ``stats_row`` are the step's rows in the two tables, <NA> where it has none (then of pandas'
+    nullable Int64 dtype); a step with logged scalars only has <NA> ``backward_pass`` and NaN learning rates."""
     frames = []
     for opt in optimizers:
-        df = pd.DataFrame({"optimizer": opt.index, "record": np.arange(opt.num_records), "step": opt.steps,
-                           "backward_pass": opt.backward_passes, "wall_time": opt.wall_times})
-        lrs = opt.learning_rates
-        for g in range(lrs.shape[1] if lrs.ndim == 2 else 0):
-            df[f"lr_group{g}"] = lrs[:, g]
+        stats = opt.stats_table_steps
+        df = step_frame(opt.index, (opt.steps, opt.backward_passes, opt.wall_times, opt.learning_rates),
+                        (stats.steps, stats.backward_passes, stats.wall_times, stats.learning_rates))
         scalars = opt.scalars()
         if len(scalars):
             df = _with_scalars(df, scalars, opt.index)
         frames.append(df)
     return pd.concat(frames, ignore_index=True) if frames else pd.DataFrame(
-        columns=["optimizer", "record", "step", "backward_pass", "wall_time"])
+        columns=["optimizer", "record", "stats_row", "step", "backward_pass", "wall_time"])
 
 
 def _with_scalars(records: pd.DataFrame, scalars: pd.DataFrame, index: int) -> pd.DataFrame:
@@ -701,7 +724,7 @@ def _with_scalars(records: pd.DataFrame, scalars: pd.DataFrame, index: int) -> p
                            sort=True)
     merged["optimizer"] = index
     merged["wall_time"] = merged["wall_time"].fillna(merged.pop("_scalar_wall_time"))
-    for column in ("record", "backward_pass"):
+    for column in ("record", "stats_row", "backward_pass"):
         if merged[column].isna().any():
             merged[column] = merged[column].astype("Int64")
         else:
@@ -709,24 +732,54 @@ def _with_scalars(records: pd.DataFrame, scalars: pd.DataFrame, index: int) -> p
     return merged.reset_index(drop=True)
 
 
+PARAMS_COLUMNS = ["optimizer", "param", "shape", "numel", "dtype", "group", "rows", "stats_rows", "kinds", "state"]
+
+
+def param_entries(opt, stats_meta: dict) -> list[dict]:
+    """Every parameter of one optimizer (a Run's, or a Job's), with full records or statistics rows or both, in
+    model order: name, shape, dtype, group, index_in_group, rows (full-record rows), stats_rows, kinds, state (the
+    state keys its full records hold, else those its statistics have), stored_as. stats_meta: the parameters of
+    its statistics table."""
+    stats_rows = len(opt.stats_table_steps.steps)
+    stats_state = opt.stats_state_keys() if stats_meta else []
+    entries = [{"name": p.name, "shape": list(p.shape), "dtype": p.dtype, "group": p.param_group,
+                "index_in_group": p.meta.get("index_in_group"), "rows": p.num_rows,
+                "stats_rows": stats_rows if p.name in stats_meta else 0, "kinds": p.kinds,
+                "state": p.state_keys or (stats_state if p.name in stats_meta else []),
+                "stored_as": p.storage_dtype()} for p in opt.param_records.values()]
+    entries += [{"name": name, "shape": list(meta.get("shape") or []), "dtype": meta.get("dtype"),
+                 "group": meta.get("group"), "index_in_group": meta.get("index_in_group"), "rows": 0,
+                 "stats_rows": stats_rows, "kinds": [], "state": list(stats_state), "stored_as": None}
+                for name, meta in stats_meta.items() if name not in opt.param_records]
+    return model_order(entries)
+
+
+def params_row(opt, entry: dict) -> dict:
+    """A row of ``params()`` from a ``param_entries`` entry."""
+    shape = tuple(entry["shape"])
+    return {"optimizer": opt.index, "param": entry["name"], "shape": shape,
+            "numel": int(np.prod(shape)) if shape else 1, "dtype": entry["dtype"], "group": entry["group"],
+            "rows": entry["rows"], "stats_rows": entry["stats_rows"], "kinds": ",".join(entry["kinds"]),
+            "state": ",".join(entry["state"])}
+
+
 def describe_optimizer(opt, stats_steps: int, stats_meta: dict) -> dict:
     """One optimizer's entry of ``describe()`` (a Run's, or a Job's): its records, groups and parameters;
     stats_meta: the parameters of its statistics table, listed too when they have no full records."""
     steps = opt.steps
+    every = np.union1d(steps, opt.stats_table_steps.steps)  # the steps with a record or a statistics row
     return {
         "index": opt.index, "class": opt.class_name, "records": opt.num_records,
         "stats_steps": stats_steps,
         "first_step": int(steps[0]) if len(steps) else None,
         "last_step": int(steps[-1]) if len(steps) else None,
-        "param_groups": int(opt.learning_rates.shape[1]) if opt.learning_rates.ndim == 2 else 0,
+        "first_recorded_step": int(every[0]) if len(every) else None,
+        "last_recorded_step": int(every[-1]) if len(every) else None,
+        "param_groups": opt.num_param_groups,
         "defaults": opt.meta.get("defaults", {}),
         "frozen": frozen_params(opt),
-        "params": [{"name": p.name, "shape": list(p.shape), "dtype": p.dtype, "group": p.param_group,
-                    "rows": p.num_rows, "kinds": p.kinds, "state": p.state_keys,
-                    "stored_as": p.storage_dtype()} for p in opt.param_records.values()]
-        + [{"name": name, "shape": list(meta.get("shape") or []), "dtype": meta.get("dtype"),
-            "group": meta.get("group"), "rows": 0, "kinds": [], "state": [], "stored_as": None}
-           for name, meta in stats_meta.items() if name not in opt.param_records],
+        "params": [{k: v for k, v in entry.items() if k != "index_in_group"}
+                   for entry in param_entries(opt, stats_meta)],
     }
 
 
@@ -755,25 +808,3 @@ def _live_timeout(given: float | None) -> float:
         return float(os.environ.get("UPD_LIVE_TIMEOUT", "30"))
     except ValueError:
         return 30.0
-
-
-def open_run(path, live_timeout: float | None = None):
-    """Open a recorded run for reading: a ``Run``, or a ``Job`` for the path of a distributed job. Raises
-    RunFileError (one clear line) for anything that is not a usable run.
-
-    A job's path names no file itself: each recording rank wrote its own, named from it (``runfile.ranks``). When
-    `path` does not exist but such rank files do, the returned ``upd.runfile.job.Job`` reads them all as one run
-    (see docs/format.md, "Distributed jobs"); a rank's file can also be opened on its own, as a plain Run.
-
-    A run that is still being written is read from a copy taken between two records (``run.live`` is True): it
-    holds every record committed so far and never a half-written one. Waiting for the writer to finish the record
-    in progress is bounded by `live_timeout` seconds (default: $UPD_LIVE_TIMEOUT, else 30); open the run again to
-    see records committed later. The copy lives in the temporary folder (``TMPDIR``) until
-    the run is closed.
-    """
-    if not os.path.exists(os.fspath(path)):
-        from .job import Job, is_job_path  # job.py builds on this module
-
-        if is_job_path(path):
-            return Job(path, live_timeout=live_timeout)
-    return Run(path, live_timeout=live_timeout)

@@ -70,7 +70,7 @@ SCALAR_GRAD_NORM_AT_STEP = "total_grad_norm_step"
 RECORDER_SCALARS = (SCALAR_GRAD_NORM_BACKWARD, SCALAR_GRAD_NORM_AT_STEP)
 # Names a logged scalar cannot have: the key columns of the tables that show scalars next to records (run.steps(),
 # run.scalars()), and their per-group learning-rate columns (prefix).
-RESERVED_SCALAR_NAMES = ("optimizer", "record", "step", "backward_pass", "wall_time")
+RESERVED_SCALAR_NAMES = ("optimizer", "record", "stats_row", "step", "backward_pass", "wall_time")
 RESERVED_SCALAR_PREFIX = "lr_group"
 
 # Attributes of the statistics table.
@@ -270,8 +270,11 @@ STATS_TABLE = Group(
            Attr(STATS_PARAM_META, "JSON object", required=False)),
     datasets=(
         Dataset(STEP, "int64", ("S",), INTEGERS, chunks=(1024,)),
-        Dataset(WALL_TIME, "float64", ("S",), None, chunks=(1024,)),
+        Dataset(BACKWARD_PASS, "int64", ("S",), INTEGERS, chunks=(1024,)),
+        Dataset(WALL_TIME, "float64", ("S",), NUMBERS, chunks=(1024,)),
         Dataset(LR, "float64", ("S", "G"), FLOATS, chunks=(256, 8), fill=float("nan")),
+        # The param groups' other hyperparameters (lr is the column above), "" where unchanged from the row before.
+        Dataset(HPARAMS, STRING, ("S",), "string", chunks=(256,)),
         # Created at the first row, when P and C are known: chunks of up to 64 rows (writer.py).
         Dataset(VALUES, "float32", ("S", "P", "C"), FLOATS, fill=float("nan")),
     ),

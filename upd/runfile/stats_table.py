@@ -17,6 +17,7 @@ import pandas as pd
 
 from . import encoding, schema
 from .datasets import create_dataset, create_declared
+from .step_table import model_order
 
 STATS_BLOCK_ROWS = 1024  # rows of the (steps, params, columns) table read at once
 VALUES_DTYPE = np.dtype(schema.STATS_TABLE.dataset(schema.VALUES).dtype)
@@ -75,26 +76,34 @@ class StatsTableWriter:
     """Appends rows to one optimizer's statistics table; ``write(recs)`` writes their rows (uncommitted),
     ``commit(recs)`` then appends their steps: the commit protocol's two halves (writer.py flushes in between)."""
 
-    def __init__(self, optimizer_group: h5py.Group):
+    def __init__(self, optimizer_group: h5py.Group, create_group=None):
+        """create_group(parent, name): how the writer creates the table's group when it has none yet (hidden from
+        readers until the first rows' commit); default: linked at once."""
         if schema.STATS not in optimizer_group:
-            st = optimizer_group.create_group(schema.STATS)
+            st = (create_group or h5py.Group.create_group)(optimizer_group, schema.STATS)
             create_declared(st, schema.STATS_TABLE)  # values: at the first row, when its width is known
             st.attrs[schema.STATS_PARAMS] = encoding.to_json([])
             st.attrs[schema.STATS_COLUMNS] = encoding.to_json([])
             st.attrs[schema.STATS_PARAM_META] = encoding.to_json({})
-        self.group = st = optimizer_group[schema.STATS]
+        else:
+            st = optimizer_group[schema.STATS]
+        self.group = st
         self.params = list(encoding.from_json(st.attrs[schema.STATS_PARAMS]))
         self.columns = list(encoding.from_json(st.attrs[schema.STATS_COLUMNS]))
         self.param_index = {n: i for i, n in enumerate(self.params)}
         self.column_index = {c: i for i, c in enumerate(self.columns)}
         self.step = st[schema.COMMIT_COLUMN]
+        self.backward_pass = st[schema.BACKWARD_PASS]
         self.wall_time = st[schema.WALL_TIME]
         self.lr = st[schema.LR]
+        self.hparams = st[schema.HPARAMS]
+        self._last_hparams: str | None = None  # the last row's hparams text this writer wrote (rows store changes)
         self.values = st[schema.VALUES] if schema.VALUES in st else None
         self._positions: dict[tuple, list] = {}  # a row's column names -> their positions in the table
         # The datasets' shapes, kept here: asking h5py for a shape is an HDF5 call each time. This writer is the only
         # one that changes them (attribute name -> shape).
-        self._shapes = {key: list(getattr(self, key).shape) for key in ("step", "wall_time", "lr")}
+        self._shapes = {key: list(getattr(self, key).shape)
+                        for key in ("step", "backward_pass", "wall_time", "lr", "hparams")}
         if self.values is not None:
             self._shapes["values"] = list(self.values.shape)
         self._known_table = None  # (names, columns, row positions, column positions) of the last StatsRows written
@@ -215,15 +224,52 @@ class StatsTableWriter:
         for k, rec in enumerate(recs):
             lr[k, :len(rec.hparams)] = [encoding.lr_of(g) for g in rec.hparams]
         wall_time = np.array([rec.wall_time for rec in recs], dtype=np.float64)
-        for key, rows in (("values", block), ("wall_time", wall_time), ("lr", lr)):
+        backward_pass = np.array([rec.backward_pass for rec in recs], dtype=np.int64)
+        for key, rows in (("values", block), ("wall_time", wall_time), ("lr", lr), ("backward_pass", backward_pass)):
             self._extend(key, stop)
             _write_rows(getattr(self, key), start, rows)
+        texts = []
+        for rec in recs:
+            text = hparams_text(rec.hparams)
+            texts.append("" if text == self._last_hparams else text)
+            self._last_hparams = text
+        self._extend("hparams", stop)
+        self.hparams[start:stop] = texts  # strings: through h5py (a few per batch, most of them empty)
 
     def commit(self, recs: list) -> None:
         """Append the records' steps: their rows exist for readers from now on."""
         start = self._shapes["step"][0]
         self._extend("step", start + len(recs))
         _write_rows(self.step, start, np.array([rec.step for rec in recs], dtype=np.int64))
+
+
+def hparams_text(hparams: list) -> str:
+    """A statistics row's ``hparams``: the param groups' hyperparameters without lr (the ``lr`` column holds it)."""
+    return encoding.to_json([{k: v for k, v in group.items() if k != "lr"} for group in hparams])
+
+
+def hparams_rows(texts: list, lr: np.ndarray) -> list:
+    """Each row's param groups (JSON-decoded, lr from its ``lr`` column) from the ``hparams`` texts of consecutive
+    rows, "" meaning the row before's; None for a row whose groups are unknown (no text before it), or whose text is
+    not a JSON list of objects."""
+    out, groups = [], None
+    for row, text in enumerate(texts):
+        if text:
+            try:
+                groups = encoding.from_json(text)
+            except ValueError:
+                groups = None
+            if not (isinstance(groups, list) and all(isinstance(g, dict) for g in groups)):
+                groups = None
+        if groups is None:
+            out.append(None)
+            continue
+        with_lr = [dict(g) for g in groups]
+        for g, group in enumerate(with_lr):
+            if g < lr.shape[1] and not np.isnan(lr[row, g]):
+                group["lr"] = float(lr[row, g])
+        out.append(with_lr)
+    return out
 
 
 def has_stats(opt) -> bool:
@@ -240,6 +286,23 @@ def stats_param_meta(opt) -> dict:
     if not has_stats(opt):
         return {}
     return dict(encoding.from_json(opt._group[schema.STATS].attrs.get(schema.STATS_PARAM_META, "{}")))
+
+
+STATE_PREFIX = "state."  # statistic columns of optimizer state: state.<key>_<stat>
+
+
+def stats_state_keys(opt) -> list[str]:
+    """The optimizer state keys the statistics table has columns of (``state.<key>_<stat>``), in column order."""
+    if not has_stats(opt):
+        return []
+    keys = []
+    for column in encoding.from_json(opt._group[schema.STATS].attrs[schema.STATS_COLUMNS]):
+        if isinstance(column, str) and column.startswith(STATE_PREFIX):
+            rest = column[len(STATE_PREFIX):]
+            key = rest[:-len("_zero_frac")] if rest.endswith("_zero_frac") else rest.rpartition("_")[0]
+            if key and key not in keys:
+                keys.append(key)
+    return keys
 
 
 def _iter_stats(opt):
@@ -280,4 +343,17 @@ def stats_frame(run) -> pd.DataFrame:
     if not frames:
         return pd.DataFrame(columns=["optimizer", "param", "step", "lr"])
     out = pd.concat(frames, ignore_index=True)
-    return out.sort_values(["optimizer", "param", "step"], kind="stable").reset_index(drop=True)
+    return in_model_order(out, {opt.index: stats_param_meta(opt) for opt in run.optimizers if has_stats(opt)})
+
+
+def in_model_order(table: pd.DataFrame, metas: dict) -> pd.DataFrame:
+    """Rows of (optimizer, param, step) sorted by optimizer, the parameter's place in the model (its param group and
+    index in it, ``metas``: {optimizer: {name: meta}}), then step; a parameter without metadata after the others."""
+    position = {}
+    for index, by_name in metas.items():
+        ordered = model_order([{"name": name, **meta} for name, meta in by_name.items() if isinstance(meta, dict)])
+        position.update({(index, entry["name"]): i for i, entry in enumerate(ordered)})
+    place = [position.get(key, len(position)) for key in zip(table["optimizer"], table["param"])]
+    order = np.lexsort((table["step"].to_numpy(), table["param"].to_numpy(dtype=str), np.asarray(place),
+                        table["optimizer"].to_numpy()))
+    return table.iloc[order].reset_index(drop=True)

@@ -569,9 +569,12 @@ def meta_problem(meta: dict) -> str | None:
     return problem
 
 
-def record_index(check: Validator, group: h5py.Group, where: str, links: dict | None = None) -> np.ndarray:
+def record_index(check: Validator, group: h5py.Group, where: str, links: dict | None = None,
+                 committed: int | None = None) -> np.ndarray:
     """A parameter's record index: for each row, the record it belongs to, non-negative and increasing.
-    links: the group's link_types, when the caller has them."""
+    links: the group's link_types, when the caller has them. committed: the optimizer's committed records; the
+    rows from the first that belongs to no committed record on are cut (rows of a record being written at a kill:
+    the dataset's length can include a row whose value never reached the disk and reads as the fill value)."""
     at = f"{where}: dataset '{schema.RECORD_INDEX}'"
     index_ds = check.declared(group, schema.PARAMETER.dataset(schema.RECORD_INDEX), at, links=links)
     check.readable(index_ds, index_ds.shape[0], at)
@@ -581,6 +584,15 @@ def record_index(check: Validator, group: h5py.Group, where: str, links: dict | 
         if records.size:
             index_ds.id.read(h5py.h5s.ALL, h5py.h5s.ALL, records)
         records = records.astype(np.int64, copy=False)
+    if committed is not None and len(records):
+        beyond = (records >= committed) | (np.arange(len(records)) > 0) & (records <= np.roll(records, 1))
+        if beyond.any():
+            cut = int(np.argmax(beyond))
+            tail = records[cut:]
+            # what a kill leaves: rows of records not committed, or never written (the fill value, 0); anything
+            # else past the committed rows is a file that lies about its rows, refused below
+            if ((tail >= committed) | (tail == 0)).all():
+                records = records[:cut]
     if len(records) and (records.min() < 0 or (np.diff(records) < 0).any()):
         raise check.fail(at, "record indices are negative or not in increasing order")
     return records
@@ -746,21 +758,42 @@ def param_groups(check: Validator, params: list, groups: int, where: str) -> Non
                                                                f"column(s))")
 
 
-def stats_table(check: Validator, group: h5py.Group, where: str) -> None:
+class StatsSteps(NamedTuple):
+    """What the statistics table says of each committed row's step, read whole (the values are read in blocks);
+    the ``hparams`` texts are read when asked for (``hparams``: their dataset)."""
+
+    steps: np.ndarray
+    backward_passes: np.ndarray
+    wall_times: np.ndarray
+    learning_rates: np.ndarray
+    hparams: h5py.Dataset | None
+
+
+NO_STATS = StatsSteps(np.zeros(0, np.int64), np.zeros(0, np.int64), np.zeros(0), np.zeros((0, 0)), None)
+
+
+def stats_table(check: Validator, group: h5py.Group, where: str) -> StatsSteps:
     """The statistics table, when there is one, as far as stats_table reads it: attributes, dtypes, ranks and block
-    sizes."""
+    sizes; its committed rows' steps, backward passes, wall times and learning rates."""
     with check.reading(f"{where}: group '{schema.STATS}'"):
         if link_type(group, schema.STATS) is None:  # the link itself: never follows it
-            return
+            return NO_STATS
     table = schema.STATS_TABLE
     st = check.child(group, schema.STATS, f"{where}: group '{schema.STATS}'", h5py.Group)
     with check.reading(f"{where}: group '{schema.STATS}'"):
         if link_type(st, schema.VALUES) is None:
-            return  # no statistics row written yet: the reader ignores the table
+            return NO_STATS  # no statistics row written yet: the reader ignores the table
     at = f"{where}: statistics table"
     step = check.declared(st, table.dataset(schema.STEP), f"{at} '{schema.STEP}'")
     n = int(step.shape[0])
     check.readable(step, n, f"{at} '{schema.STEP}'")
+    per_step = {}
+    for name in (schema.BACKWARD_PASS, schema.WALL_TIME, schema.HPARAMS):
+        ds = per_step[name] = check.declared(st, table.dataset(name), f"{at} '{name}'")
+        if ds.shape[0] < n:
+            raise check.fail(f"{at} '{name}'", f"has {ds.shape[0]} rows, fewer than the {n} committed steps")
+        if name != schema.HPARAMS:
+            check.readable(ds, n, f"{at} '{name}'")
     lr = check.declared(st, table.dataset(schema.LR), f"{at} '{schema.LR}'")
     check.readable(lr, min(n, lr.shape[0]), f"{at} '{schema.LR}'", sparse=_SPARSE)
     values = check.declared(st, table.dataset(schema.VALUES), f"{at} '{schema.VALUES}'")
@@ -785,3 +818,9 @@ def stats_table(check: Validator, group: h5py.Group, where: str) -> None:
             problem = "dtype is not a string"
         if problem:
             raise check.fail(at, f"{schema.STATS_PARAM_META} of {str(name)[:80]!r}: {problem}")
+    with check.reading(at):
+        lr_rows = lr[:n] if lr.shape[0] >= n else np.full((n, lr.shape[1]), np.nan)
+        return StatsSteps(step[:n].astype(np.int64, copy=False),
+                          per_step[schema.BACKWARD_PASS][:n].astype(np.int64, copy=False),
+                          per_step[schema.WALL_TIME][:n].astype(np.float64, copy=False), lr_rows,
+                          per_step[schema.HPARAMS])

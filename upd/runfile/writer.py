@@ -121,6 +121,16 @@ class RunWriter:
         self._param_index: dict[int, dict[str, dict]] = {}
         self._index_last_record: dict[int, int] = {}
         self._index_from_file: set[int] = set()
+        # Objects created lazily (a parameter's group at its first record, a tensor or state dataset appearing in a
+        # group readers can already see, the statistics and scalars tables at their first rows) are created
+        # unlinked and linked into the file at the commit of the record that brought them, with the attributes that
+        # name them: until then no reader can reach them, so a kill while they are being written (a large first
+        # record, a new param group, a new state key) leaves the file as its last commit left it. HDF5 can write a
+        # visible group's changed link table to disk before the flush, past the end the superblock records, which
+        # made such files unreadable ("addr overflow").
+        self._unlinked: dict = {}  # ObjectID of an unlinked group (and of the groups inside it) -> the group
+        self._to_link: list[tuple] = []  # (parent group, name, object), linked at the next commit, in order
+        self._at_commit: list = []  # changes (attribute writes) made at the next commit, after the links
         if resume and os.path.exists(self.path):
             self._reopen(meta)
             return
@@ -228,6 +238,48 @@ class RunWriter:
         steps = [int(t[schema.COMMIT_COLUMN][-1]) for t in tables if t[schema.COMMIT_COLUMN].shape[0]]
         return max(steps) if steps else None
 
+    def truncate_from(self, index: int, step: int) -> dict:
+        """Drop optimizer `index`'s committed rows of steps at and after `step` (a run resumed from a checkpoint
+        older than its last recorded step: those steps were trained again, docs/reliability.md, "Resuming");
+        return {"records", "stats_rows", "scalar_rows"} dropped, and note it in the run's last ``resumes`` entry.
+
+        The commit columns are cut first and flushed: a kill before the rest is cut leaves rows beyond the commits,
+        which readers ignore and the next resume drops, like any uncommitted row."""
+        grp = self._optimizer(index)
+        if grp is None:
+            return {"records": 0, "stats_rows": 0, "scalar_rows": 0}
+        tables = {"records": (grp[schema.RECORDS], schema.RECORD_TABLE),
+                  "stats_rows": (grp[schema.STATS], schema.STATS_TABLE) if schema.STATS in grp else None,
+                  "scalar_rows": (grp[schema.SCALARS], schema.SCALARS_TABLE) if schema.SCALARS in grp else None}
+        keep, dropped = {}, {}
+        for label, found in tables.items():
+            if found is None:
+                dropped[label] = 0
+                continue
+            steps = found[0][schema.COMMIT_COLUMN][()]
+            later = np.nonzero(steps >= step)[0]
+            keep[label] = int(later[0]) if len(later) else len(steps)  # rows are in step order
+            dropped[label] = len(steps) - keep[label]
+        if not any(dropped.values()):
+            return dropped
+        self._locks.begin()
+        for label, rows in keep.items():
+            tables[label][0][schema.COMMIT_COLUMN].resize(rows, axis=0)
+        self.file.flush()
+        for label, rows in keep.items():
+            _truncate(*tables[label], rows)
+        for param in grp[schema.PARAMS].values():
+            valid = int((param[schema.RECORD_INDEX][()] < keep["records"]).sum())
+            _truncate(param, schema.PARAMETER, valid)
+            _truncate(param[schema.STATE_GROUP], schema.STATE, valid)
+        self._records_written[index] = keep["records"]
+        resumes = encoding.from_json(self.file.attrs.get(schema.ATTR_RESUMES, "[]"))
+        if resumes:
+            resumes[-1].setdefault("truncated", []).append({"optimizer": index, "from_step": int(step), **dropped})
+            self.file.attrs[schema.ATTR_RESUMES] = encoding.to_json(resumes)
+        self._flushed()
+        return dropped
+
     # -- structure -------------------------------------------------------------------------------------------
     def add_optimizer(self, index: int, meta: dict) -> None:
         if self._optimizer(index) is not None:  # resuming: the optimizer's structure is there already
@@ -240,18 +292,61 @@ class RunWriter:
         self._records_written[index] = 0
         self._flushed()
 
+    # -- objects hidden from readers until their commit ------------------------------------------------------
+    def _pending(self, parent: h5py.Group, name: str):
+        """The unlinked object to be linked as parent[name] at the next commit, or None."""
+        return next((obj for p, n, obj in self._to_link if n == name and p.id == parent.id), None)
+
+    def _hidden_group(self, parent: h5py.Group, name: str) -> h5py.Group:
+        """parent[name] as a new group linked at the next commit (at once inside a group that is itself unlinked)."""
+        found = self._pending(parent, name)
+        if found is not None:
+            return found
+        if parent.id in self._unlinked:
+            grp = parent.create_group(name)
+        else:
+            grp = h5py.Group(h5py.h5g.create(parent.id, None))
+            self._to_link.append((parent, name, grp))
+        self._unlinked[grp.id] = grp
+        return grp
+
+    def _hidden_dataset(self, parent: h5py.Group, name: str, **create) -> h5py.Dataset:
+        """parent.create_dataset(name, **create), linked at the next commit unless parent is itself unlinked."""
+        if parent.id in self._unlinked:
+            return parent.create_dataset(name, **create)
+        ds = parent.create_dataset(None, **create)
+        self._to_link.append((parent, name, ds))
+        return ds
+
+    def _defer(self, change) -> None:
+        """Make `change` (a callable) at the next commit: an attribute naming objects linked then."""
+        self._at_commit.append(change)
+
+    def _link_pending(self) -> None:
+        """The commit's first part: link what was created for the records being committed, make deferred changes."""
+        for parent, name, obj in self._to_link:
+            parent[name] = obj
+            self._unlinked.pop(getattr(obj, "id", None), None)
+        for change in self._at_commit:
+            change()
+        self._to_link, self._at_commit = [], []
+        self._unlinked = {}  # every group created so far is reachable now
+
     def _param_group(self, optimizer: int, snap: ParamSnapshot) -> h5py.Group:
         params = self._optimizer(optimizer)[schema.PARAMS]
         key = schema.param_key(snap.name)  # '/' would be an HDF5 path separator: escaped, reversibly
         if key in params:
             return params[key]
-        grp = params.create_group(key)
+        grp = self._hidden_group(params, key)
+        if schema.RECORD_INDEX in grp:  # made for a record whose write failed: not linked yet, filled already
+            return grp
         reference = snap.param if snap.param is not None else snap.grad if snap.grad is not None else snap.param_after
         meta = param_meta(snap, reference)
         grp.attrs[schema.ATTR_META] = encoding.to_json(meta)
         self._param_index.setdefault(optimizer, {})[key] = param_index.entry(key, meta)
         create_declared(grp, schema.PARAMETER)  # the record index and state_present; tensors at their first row
         st = grp.create_group(schema.STATE_GROUP)
+        self._unlinked[st.id] = st  # inside an unlinked group: its datasets are created linked to it
         st.attrs[schema.STATE_KEYS] = encoding.to_json([])
         return grp
 
@@ -259,12 +354,15 @@ class RunWriter:
                         storage: str | None = None) -> h5py.Dataset:
         if name in grp:
             return grp[name]
+        found = self._pending(grp, name)
+        if found is not None:
+            return found
         np_dtype, stored_as = encoding.storage_numpy_dtype(tensor.dtype, storage or self.storage_dtype)
         shape = tuple(tensor.shape)
         # A 0 dimension (a rank's empty shard) must be resizable for its chunk of 1 to fit; it is never resized.
-        ds = grp.create_dataset(name, shape=(rows, *shape), maxshape=(None, *(d or None for d in shape)),
-                                dtype=np_dtype, chunks=_chunks(shape) if shape else (1024,),
-                                compression=self.compression if shape else None)
+        ds = self._hidden_dataset(grp, name, shape=(rows, *shape), maxshape=(None, *(d or None for d in shape)),
+                                  dtype=np_dtype, chunks=_chunks(shape) if shape else (1024,),
+                                  compression=self.compression if shape else None)
         ds.attrs[schema.ATTR_TORCH_DTYPE] = stored_as
         ds.attrs[schema.ATTR_SOURCE_DTYPE] = encoding.dtype_name(tensor.dtype)
         return ds
@@ -355,7 +453,9 @@ class RunWriter:
             self._stats_table(index).write(rows)
         self.file.flush()
         self._reserve(256 << 10)  # the commit below grows a few B-trees: it must not be the write that fails
-        # The commit: a record exists for readers once its step is appended, and only after its rows are durable.
+        # The commit: a record exists for readers once its step is appended, and only after its rows are durable;
+        # what it created becomes reachable with it.
+        self._link_pending()
         for index, rows in stats.items():
             self._stats_table(index).commit(rows)
         for index, batch in full.items():
@@ -373,7 +473,7 @@ class RunWriter:
     def _stats_table(self, optimizer: int) -> StatsTableWriter:
         table = self._stats_tables.get(optimizer)
         if table is None:
-            table = self._stats_tables[optimizer] = StatsTableWriter(self._optimizer(optimizer))
+            table = self._stats_tables[optimizer] = StatsTableWriter(self._optimizer(optimizer), self._hidden_group)
         return table
 
     def _scalars_of(self, optimizer: int) -> ScalarRows:
@@ -381,11 +481,14 @@ class RunWriter:
         found = self._scalar_rows.get(optimizer)
         if found is None:
             opt = self._optimizer(optimizer)
-            if schema.SCALARS not in opt:
-                table = opt.create_group(schema.SCALARS)
-                create_declared(table, schema.SCALARS_TABLE)
-                table.attrs[schema.SCALAR_COLUMNS] = encoding.to_json([])
-            found = self._scalar_rows[optimizer] = ScalarRows(opt[schema.SCALARS])
+            if schema.SCALARS in opt:
+                table = opt[schema.SCALARS]
+            else:
+                table = self._hidden_group(opt, schema.SCALARS)  # linked with its first rows' commit
+                if schema.SCALAR_COLUMNS not in table.attrs:
+                    create_declared(table, schema.SCALARS_TABLE)
+                    table.attrs[schema.SCALAR_COLUMNS] = encoding.to_json([])
+            found = self._scalar_rows[optimizer] = ScalarRows(table)
         return found
 
     def _write_scalars(self, rec: Record) -> None:
@@ -410,7 +513,8 @@ class RunWriter:
             rows = self._param_rows.get((optimizer, name))
             if rows is None:
                 rows = self._param_rows[optimizer, name] = ParamRows(
-                    self._param_group(optimizer, items[0][0]), self._tensor_dataset, self.storage_dtype)
+                    self._param_group(optimizer, items[0][0]), self._tensor_dataset, self.storage_dtype,
+                    self._defer)
             row = rows.rows
             state_keys = rows.write(*items[0], more=items[1:])
             for i, (snap, record) in enumerate(items):
