@@ -259,7 +259,8 @@ def test_a_dtensor_parameter_is_recorded_as_its_local_part(tmp_path, cpu_mesh, p
         p = run.param("group0.param0")
         assert p.meta == {**stats_param_meta(run.optimizers[0])["group0.param0"]} == {
             "name": "group0.param0", "group": 0, "index_in_group": 0, "shape": [4, 6], "dtype": "float32",
-            "global_shape": [4, 6], "offset": [0, 0], "placements": [placement], "mesh_shape": [1]}
+            "global_shape": [4, 6], "offset": [0, 0], "placements": [placement], "mesh_shape": [1],
+            "part_layout": "box"}
         torch.testing.assert_close(p.read(schema.KIND_PARAM_AFTER, 2), weight.to_local().detach())
         assert run.stats()["grad_mean"].tolist() == [1.0, 2.0, 3.0]
     assert upd.verify(path).exit_code == 0

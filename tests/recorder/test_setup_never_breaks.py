@@ -14,7 +14,7 @@ import torch
 
 import upd
 from upd.recorder import recorder as recorder_module
-from upd.recorder.recorder import wrapped_optimizer
+from upd.recorder.wrappers import optimizer_inside
 from tests.harness.training import loss_at, mlp, no_hooks_left, params_of, train
 
 NAMES = ["0.bias", "0.weight", "2.bias", "2.weight"]
@@ -85,7 +85,7 @@ def test_wrapped_optimizer_is_recorded_through(tmp_path, wrap):
     model = mlp()
     opt = torch.optim.Adam(model.parameters(), lr=1e-2)
     wrapper = wrap(opt)
-    assert wrapped_optimizer(wrapper) is opt
+    assert optimizer_inside(wrapper) is opt
     path = tmp_path / "wrapped.h5"
     rec, warned = record_warning_once(path, model, wrapper)
     with rec:
@@ -98,16 +98,16 @@ def test_wrapped_optimizer_is_recorded_through(tmp_path, wrap):
 def test_wrapper_lookup_stops_at_cycles_and_non_optimizers():
     a, b = OptimizerWrapper(None), OptimizerWrapper(None)
     a.optimizer, b.optimizer = b, a  # neither wraps an Optimizer: nothing to find, and no endless loop
-    assert wrapped_optimizer(a) is a
+    assert optimizer_inside(a) is a
 
     class Raising:
         @property
         def optimizer(self):
             raise RuntimeError("someone else's property")
     raising = Raising()
-    assert wrapped_optimizer(raising) is raising
+    assert optimizer_inside(raising) is raising
     opt = torch.optim.SGD(mlp().parameters(), lr=0.1)
-    assert wrapped_optimizer(opt) is opt
+    assert optimizer_inside(opt) is opt
 
 
 @pytest.fixture

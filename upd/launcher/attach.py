@@ -6,10 +6,10 @@ process created and had not stepped yet (``global_hooks`` hands them over as one
 recorder already records and those that only run inside another one's step (the optimizer a wrapper or a
 ZeroRedundancyOptimizer steps). The model is the module whose parameters cover the optimizer's: among every
 ``nn.Module`` alive that is no other module's child, the one holding most of the optimizer's parameters, fewest
-parameters in all on a tie (a DataParallel wrapper is looked through; DDP's and torch.compile's are by the
-recorder). The file is RUN for the first group, then the next part not written yet (``env.part_path``); several
-processes that train without a process group each take their own part, because the recorder creates its file
-exclusively.
+parameters in all on a tie (a DataParallel or Fabric wrapper is looked through; DDP's and DeepSpeed's, which decide
+which ranks record, by the recorder: ``upd.recorder.wrappers``). The file is RUN for the first group, then the next
+part not written yet (``env.part_path``); several processes that train without a process group each take their own
+part, because the recorder creates its file exclusively.
 """
 from __future__ import annotations
 
@@ -19,9 +19,8 @@ import warnings
 import torch
 
 from .. import lifetime
-from ..recorder import distributed
-from ..recorder.naming import uncompiled
-from ..recorder.recorder import Recorder, RecorderWarning, wrapped_optimizer
+from ..recorder import wrappers
+from ..recorder.recorder import Recorder, RecorderWarning
 from . import env
 
 # Recorders this process started: held until the exit closes them (the lifetime registry holds them weakly).
@@ -56,13 +55,13 @@ def start(request: str, optimizers: list, backward_counts: dict[int, int]) -> Re
 
 
 def inner_optimizer(optimizer):
-    """The optimizer whose step runs inside `optimizer`'s step, or None: a ZeroRedundancyOptimizer's local one,
-    or the one a wrapper exposes."""
+    """The optimizer whose step runs inside `optimizer`'s step, or None: a job optimizer's local one (a
+    ZeroRedundancyOptimizer's), or the one a wrapper exposes (``upd.recorder.wrappers``)."""
     try:
-        if isinstance(optimizer, distributed.zero_class() or ()):
-            inner = distributed.local_optimizer(optimizer)
+        if wrappers.is_job_optimizer(optimizer):
+            inner = wrappers.local_optimizer(optimizer, None)
         else:
-            inner = wrapped_optimizer(optimizer)
+            inner = wrappers.optimizer_inside(optimizer)
     except Exception:
         return None
     return None if inner is optimizer else inner
@@ -99,24 +98,6 @@ def root_modules() -> list[torch.nn.Module]:
     return [module for module in modules if id(module) not in children]
 
 
-# Module wrappers whose own names would prefix the model's, by class name (their packages are optional), and the
-# attribute that holds the model: Lightning Fabric's.
-_WRAPPER_MODEL_ATTRIBUTES = {"_FabricModule": "_original_module"}
-
-
-def _looked_through(module):
-    """The model inside wrappers that only run it: DataParallel (its ``module.`` prefix is no part of the model's
-    names) and those of _WRAPPER_MODEL_ATTRIBUTES. DDP and torch.compile's wrappers are left to the recorder."""
-    while True:
-        if isinstance(module, torch.nn.DataParallel):
-            module = module.module
-            continue
-        inner = getattr(module, _WRAPPER_MODEL_ATTRIBUTES.get(type(module).__name__, ""), None)
-        if not isinstance(inner, torch.nn.Module):
-            return module
-        module = inner
-
-
 def owner(param_ids: set[int], roots: list, root_params: list) -> object | None:
     """The root module holding most of `param_ids`, the smallest one on a tie; None when none holds any."""
     best, best_key = None, None
@@ -146,7 +127,9 @@ def owning_model(optimizers: list):
     if not owners:
         return None
     if len(owners) == 1:
-        return _looked_through(owners[0])
+        # Through the wrappers that only run it (DataParallel, Fabric): the recorder must see a parallelism's own
+        # (DDP, DeepSpeed) to decide which ranks record, and looks through it itself.
+        return wrappers.model_inside(owners[0], through_parallelisms=False)
     return Models(owners)
 
 
@@ -155,7 +138,7 @@ class Models:
     parameters come from one of them, so names stay unique within an optimizer)."""
 
     def __init__(self, models: list):
-        self.models = [uncompiled(distributed.unwrap_model(_looked_through(m))) for m in models]
+        self.models = [wrappers.model_inside(m) for m in models]
 
     def named_parameters(self):
         for model in self.models:

@@ -11,7 +11,6 @@ rank 0 alone by default, into ``path`` itself: the replicas are identical.
 from __future__ import annotations
 
 import os
-import sys
 from dataclasses import dataclass
 
 import torch
@@ -19,26 +18,7 @@ import torch
 from ..runfile import schema
 from ..runfile.ranks import rank_files, rank_path
 from ..sinks.feed import SINKS_JOB, SINKS_NONE, SINKS_OWN
-from .snapshots import dtensor_class
-
-
-
-def _module_class(module: str, name: str):
-    """A class of a torch.distributed module when that module is loaded, else None (nothing can be an instance of
-    it then, and importing it would pull in torch.distributed for every single-process run)."""
-    return getattr(sys.modules.get(module), name, None)
-
-
-def ddp_class():
-    return _module_class("torch.nn.parallel.distributed", "DistributedDataParallel")
-
-
-def zero_class():
-    return _module_class("torch.distributed.optim.zero_redundancy_optimizer", "ZeroRedundancyOptimizer")
-
-
-def _isinstance(value, cls) -> bool:
-    return cls is not None and isinstance(value, cls)
+from . import wrappers
 
 
 def process_group() -> tuple[int, int] | None:
@@ -47,70 +27,6 @@ def process_group() -> tuple[int, int] | None:
         return None
     world = torch.distributed.get_world_size()
     return (torch.distributed.get_rank(), world) if world > 1 else None
-
-
-def unwrap_model(model):
-    """The module whose parameter names the run uses: a DistributedDataParallel wrapper's ``.module`` (its own names
-    carry a ``module.`` prefix that is no part of the model)."""
-    return model.module if _isinstance(model, ddp_class()) else model
-
-
-def local_optimizer(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
-    """The optimizer that steps this rank's parameters: a ZeroRedundancyOptimizer's local ``.optim`` (it steps this
-    rank's partition; the wrapper only broadcasts the results), else the optimizer itself."""
-    if not _isinstance(optimizer, zero_class()):
-        return optimizer
-    local = getattr(optimizer, "optim", None)
-    if not isinstance(local, torch.optim.Optimizer):
-        # overlap_with_ddp=True builds a functional local optimizer later, inside DDP's communication hook: it has
-        # no step hooks to attach to.
-        raise TypeError("a ZeroRedundancyOptimizer with overlap_with_ddp=True cannot be recorded (its local "
-                        "optimizer is functional and steps inside DDP's communication hook)")
-    return local
-
-
-def global_names(optimizer: torch.optim.Optimizer) -> dict[int, str]:
-    """id(parameter) -> ``group{g}.param{i}`` by the parameter's place in the optimizer the user built: a ZeRO local
-    optimizer holds only this rank's partition, so its own places would give the same name to different
-    parameters on different ranks. Empty for any other optimizer (its own places are the global ones)."""
-    if not _isinstance(optimizer, zero_class()):
-        return {}
-    names = {}
-    for g, group in enumerate(optimizer.param_groups):
-        given = group.get("param_names") or []
-        for i, p in enumerate(group["params"]):
-            names[id(p)] = given[i] if i < len(given) else f"group{g}.param{i}"
-    return names
-
-
-def _parameters(model, optimizers) -> list:
-    params = list(model.parameters()) if model is not None else []
-    return params + [p for opt in optimizers for g in opt.param_groups for p in g["params"]]
-
-
-def parallelism(model, optimizers) -> str:
-    """How the job spreads the training: "fsdp" (a DTensor parameter), "zero" (a ZeroRedundancyOptimizer), "ddp"
-    (a DistributedDataParallel model), else "replicated" (every rank holds and steps the whole model)."""
-    dtensor = dtensor_class()
-    if dtensor is not None and any(isinstance(p, dtensor) for p in _parameters(model, optimizers)):
-        return schema.FSDP
-    if any(_isinstance(opt, zero_class()) for opt in optimizers):
-        return schema.ZERO
-    if _isinstance(model, ddp_class()):
-        return schema.DDP
-    return schema.REPLICATED
-
-
-def is_split(model, optimizers) -> bool:
-    """Whether each rank holds or steps only a part of the model (then every rank must record for the whole):
-    a DTensor parameter sharded along some mesh dimension, or a ZeroRedundancyOptimizer's partitions."""
-    if any(_isinstance(opt, zero_class()) for opt in optimizers):
-        return True
-    dtensor = dtensor_class()
-    if dtensor is None:
-        return False
-    return any(isinstance(p, dtensor) and any(pl.is_shard() for pl in p.placements)
-               for p in _parameters(model, optimizers))
 
 
 def recording_ranks(ranks, world_size: int, split: bool):
@@ -144,7 +60,8 @@ class RankSetup:
     recording_ranks: object  # "all" or a list of ranks
     parallelism: str
     job_path: str
-    split: bool = False  # each rank holds or steps a part of the model (is_split)
+    split: bool = False  # each rank holds or steps a part of the model (wrappers.splits)
+    recorded_weights: str | None = None  # what this rank records when not the model's own weights
 
     @property
     def records(self) -> bool:
@@ -162,21 +79,28 @@ class RankSetup:
 
     def meta(self) -> dict:
         """The root metadata's "distributed" entry (docs/format.md)."""
-        return {"rank": self.rank, "world_size": self.world_size, "recording_ranks": self.recording_ranks,
+        meta = {"rank": self.rank, "world_size": self.world_size, "recording_ranks": self.recording_ranks,
                 "parallelism": self.parallelism, "job_path": self.job_path}
+        if self.recorded_weights is not None:
+            meta[schema.META_RECORDED_WEIGHTS] = self.recorded_weights
+        return meta
 
 
-def setup(path: str, model, optimizers, ranks) -> RankSetup | None:
+def setup(path: str, models: list, optimizers, ranks) -> RankSetup | None:
     """This process's RankSetup in an initialised process group of several processes, else None (``ranks=`` is
-    only checked then). `model` and `optimizers` as the user passed them (wrappers included)."""
+    only checked then). `models`: the model as the user passed it and each module inside its wrappers
+    (``wrappers.model_chain``); `optimizers` the job's (ZeRO wrappers included)."""
     group = process_group()
     if group is None:
         check_ranks_option(ranks)
         return None
     rank, world = group
-    split = is_split(model, optimizers)
+    split = wrappers.splits(models, optimizers)
+    used = wrappers.in_use(models, optimizers)
+    weights = next((w.recorded_weights for w in used if w.recorded_weights is not None), None)
     return RankSetup(rank=rank, world_size=world, recording_ranks=recording_ranks(ranks, world, split),
-                     parallelism=parallelism(model, optimizers), job_path=os.fspath(path), split=split)
+                     parallelism=used[0].parallelism, job_path=os.fspath(path), split=split,
+                     recorded_weights=weights)
 
 
 def sink_role(rank_setup: RankSetup | None) -> str:
@@ -202,15 +126,9 @@ def sink_role(rank_setup: RankSetup | None) -> str:
 
 def counts_toward_whole(tensor, rank_setup: RankSetup) -> bool:
     """Whether this rank's statistics of `tensor` (a recorded parameter's part) are added into the job's whole
-    parameter, so that every element is added once: a DTensor's part on the ranks at coordinate 0 of every mesh
-    dimension it is replicated along (HSDP keeps copies of each shard), a ZeRO partition's parameter on the one
-    rank that steps it (no other rank records it), any other tensor (a copy on every rank) on rank 0."""
-    dtensor = dtensor_class()
-    if dtensor is not None and isinstance(tensor, dtensor):
-        coordinate = tensor.device_mesh.get_coordinate()
-        return coordinate is not None and all(c == 0 for c, placement in zip(coordinate, tensor.placements)
-                                              if placement.is_replicate())
-    return rank_setup.parallelism == schema.ZERO or rank_setup.rank == 0
+    parameter, so that every element is added once (``wrappers.counts_toward_whole``: the kind that owns
+    the tensor says; a copy on every rank counts on rank 0)."""
+    return wrappers.counts_toward_whole(tensor, rank_setup.rank, rank_setup.parallelism)
 
 
 def layout_conflict(rank_setup: RankSetup) -> str | None:

@@ -2,7 +2,7 @@
 
 A name is fixed the first time the recorder sees a parameter and never changes afterwards: it is the parameter's
 dataset path in the file, and resuming a run matches parameters by it. Names are the model's own: wrappers that
-only run it differently (torch.compile's ``_orig_mod.``, DDP's ``module.``, see ``distributed.unwrap_model``) add
+only run it differently (torch.compile's ``_orig_mod.``, DDP's ``module.``, see ``upd.recorder.wrappers``) add
 nothing to them, so a run compiled or not, distributed or not, has the same names.
 """
 from __future__ import annotations

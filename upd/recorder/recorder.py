@@ -25,6 +25,7 @@ from ..sinks.base import SinkStep
 from ..sinks.feed import SINKS_JOB, SINKS_OWN, SinkFeed, close_unused, sink_problem
 from ..sinks.tensorboard import TensorBoard
 from . import distributed, job_scalars
+from .attaching import attach
 from .device_stats import LeanStep, SnapshotPool, StepStatistics, element_count, lean_applies
 from .engines import LEAN, SAMPLED, StatisticsEngine, statistics_set
 from .alerts import LiveAlerts
@@ -33,7 +34,7 @@ from .grad_norms import TotalNorm, queue_after_backward, total_norm
 from .logged_scalars import HOST_BATCH_STEPS, kept, name_problem, scalar_problem, to_host
 from .job_scalars import JobScalars, Slot
 from .options import RecordOptions, record_signature
-from .naming import ParamNames, is_selected, model_names, named_parameters, patterns, uncompiled
+from .naming import ParamNames, is_selected, model_names, named_parameters, patterns
 from .resume import has_step_counter, initial_step, resume_problems, truncation_text
 from .sampled_stats import SampledPool, SampledStep
 from .snapshots import (cpu_copy, dtensor_class, hparams_snapshot, local_part, refuse_unlike_param,
@@ -287,26 +288,12 @@ class Recorder:
         lifetime.recorders.add(self)
 
     def _attach(self, model, optimizer, ranks) -> tuple:
-        """What the recorder attaches to, looked through every wrapper: (the model whose names the run uses, the
-        optimizers the user built, the local optimizers whose hooks fire, each job optimizer's names by place).
-        Sets ``rank_setup``; TypeError for what cannot be recorded."""
-        if optimizer is None and model is not None and _is_optimizer(model):
-            raise TypeError("the optimizer was passed as the model (upd.record's second argument); write "
-                            "upd.record(path, model, optimizer), or upd.record(path, "
-                            f"optimizer={_call_name(model)}) without a model")
-        # Wrappers (Accelerate, Lightning) are looked through here; DDP and ZeRO by `distributed`, which needs to
-        # see them to decide which ranks record.
-        job_optimizers = attachable_optimizers(optimizer)
-        model = attachable_model(model)
-        # In a distributed job: which ranks record, into which file. Decided from the wrappers the user passed (DDP,
-        # ZeRO), then recording looks through them: names from the wrapped model, hooks on the optimizer that steps
-        # this rank's parameters.
-        self.rank_setup = distributed.setup(self.path, model, job_optimizers, ranks)
-        model = uncompiled(distributed.unwrap_model(model))
-        optimizers = [distributed.local_optimizer(opt) for opt in job_optimizers]
-        for opt in optimizers:
-            check_hookable(opt)
-        return model, job_optimizers, optimizers, [distributed.global_names(opt) for opt in job_optimizers]
+        """What the recorder attaches to, looked through every wrapper (``attaching.attach``, the wrapper
+        registry): (the model whose names the run uses, the job's optimizers, the local optimizers whose hooks fire,
+        each optimizer's names by place). Sets ``rank_setup``; TypeError for what cannot be recorded."""
+        attached = attach(self.path, model, optimizer, ranks)
+        self.rank_setup = attached.rank_setup
+        return attached.model, attached.job_optimizers, attached.optimizers, attached.global_names
 
     def _warn_if_nothing_selected(self, opt_metas: list) -> None:
         """include=/exclude= that match no parameter record no tensor: a typo ("*.wieght") would go unnoticed until
@@ -986,73 +973,6 @@ def _gradients(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
     return grads if dtensor_class() is None else [local_part(g) for g in grads]
 
 
-# Where optimizer wrappers keep the torch.optim.Optimizer they wrap: Accelerate's AcceleratedOptimizer and
-# Lightning's LightningOptimizer (`optimizer`), others (`optim`, `_optimizer`).
-WRAPPED_OPTIMIZER_ATTRIBUTES = ("optimizer", "optim", "_optimizer")
-
-
-def wrapped_optimizer(obj, _seen: set | None = None):
-    """The optimizer inside `obj`, looked up through WRAPPED_OPTIMIZER_ATTRIBUTES (wrappers of wrappers too) until
-    a torch.optim.Optimizer that wraps no other: the one whose ``step()`` does the math, and whose step hooks fire
-    (AcceleratedOptimizer subclasses torch.optim.Optimizer without initialising it, so it has no hooks of its own).
-    A ZeroRedundancyOptimizer is kept as it is: ``distributed`` needs it whole. `obj` itself when it wraps none."""
-    seen = set() if _seen is None else _seen
-    if id(obj) in seen or isinstance(obj, distributed.zero_class() or ()):
-        return obj
-    seen.add(id(obj))
-    for name in WRAPPED_OPTIMIZER_ATTRIBUTES:
-        value = _attribute(obj, name)
-        if value is not None:
-            inner = wrapped_optimizer(value, seen)
-            if isinstance(inner, torch.optim.Optimizer):
-                return inner
-    return obj
-
-
-def _attribute(obj, name: str):
-    try:
-        return getattr(obj, name, None)
-    except Exception:  # a property of someone else's wrapper: whatever it raises, it wraps nothing
-        return None
-
-
-def attachable_optimizers(optimizer) -> list:
-    """``optimizer=`` as the list of optimizers to attach to, each looked up through its wrappers; TypeError for
-    anything that is not, or does not wrap, a torch.optim.Optimizer."""
-    if optimizer is None:
-        raise TypeError("upd.record needs the optimizer (or a list of optimizers) to watch")
-    given = list(optimizer) if isinstance(optimizer, (list, tuple)) else [optimizer]
-    found = [wrapped_optimizer(opt) for opt in given]
-    for opt in found:
-        if not isinstance(opt, torch.optim.Optimizer):
-            raise TypeError(f"expected a torch.optim.Optimizer, or a wrapper that exposes one as "
-                            f"{', '.join('.' + a for a in WRAPPED_OPTIMIZER_ATTRIBUTES)}; got {type(opt).__name__}")
-    return found
-
-
-def check_hookable(optimizer: torch.optim.Optimizer) -> None:
-    """TypeError when torch cannot call step hooks on `optimizer`: a subclass whose ``__init__`` never ran
-    ``torch.optim.Optimizer.__init__`` (a wrapper that hides what it wraps)."""
-    if not hasattr(optimizer, "_optimizer_step_pre_hooks"):
-        raise TypeError(f"{type(optimizer).__name__} has no optimizer step hooks (torch.optim.Optimizer.__init__ "
-                        "never ran for it); pass the optimizer it wraps")
-
-
-def attachable_model(model):
-    """``model=`` without torch.compile's wrapper; TypeError for anything without ``named_parameters()``."""
-    if model is not None and not callable(_attribute(model, "named_parameters")):
-        raise TypeError(f"model= must be a torch.nn.Module (names come from its named_parameters()), got "
-                        f"{type(model).__name__}")
-    return uncompiled(model)
-
-
-def _is_optimizer(obj) -> bool:
-    """`obj` is, or wraps, a torch.optim.Optimizer."""
-    return isinstance(wrapped_optimizer(obj), torch.optim.Optimizer)
-
-
-def _call_name(obj) -> str:
-    return "optimizer" if isinstance(obj, torch.optim.Optimizer) else type(obj).__name__
 
 
 def _recording_to(path: str) -> "Recorder | None":

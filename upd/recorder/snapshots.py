@@ -1,19 +1,18 @@
 """Copies of what the optimizer is about to change, taken inside its step: the tensors as the run stores them.
 
 A snapshot must not alias memory the optimizer updates in place, and must have a layout the file can hold: dense,
-on the CPU, with a fixed shape. Of a distributed tensor (DTensor, e.g. under FSDP2) a rank stores its local part,
-with a ``ShardLayout`` saying where that part sits in the whole tensor: gathering the whole would put a collective
-inside the optimizer's step. A DTensor whose local part is not a slice of the whole (a Partial placement: a summand)
-stops recording here.
+on the CPU, with a fixed shape. Of a distributed tensor (a DTensor under FSDP2, a flat partition) a rank stores its
+local part, with a ``ShardLayout`` saying where that part sits in the whole tensor: gathering the whole would put a
+collective inside the optimizer's step. Which part that is, and where it sits, each kind of wrapper says
+(``wrapper_registry.local_part``, ``shard_layout``).
 """
 from __future__ import annotations
-
-import sys
 
 import torch
 
 from ..runfile import encoding
-from ..runfile.record import ShardLayout
+from .wrappers import local_part, shard_layout  # noqa: F401  (the recorder's names for them)
+from .wrappers.fsdp2 import dtensor_class, placements_text
 
 # torch's sparse layouts: tensors stored as indices and values (nn.Embedding(sparse=True) gradients), dense-copied
 # where the recorder needs every element.
@@ -65,57 +64,6 @@ def hparams_snapshot(group: dict) -> dict:
     return {k: encoding.jsonable(v) for k, v in group.items() if k not in ("params", "param_names")}
 
 
-_DTENSOR = []  # DTensor, once its module is loaded: looked up per tensor and step, so cached
-
-
-def dtensor_class():
-    """torch.distributed.tensor.DTensor when that module is loaded (no DTensor can exist otherwise), else None."""
-    if not _DTENSOR:
-        found = getattr(sys.modules.get("torch.distributed.tensor"), "DTensor", None)
-        if found is None:
-            return None
-        _DTENSOR.append(found)
-    return _DTENSOR[0]
-
-
-def local_part(tensor):
-    """This rank's part of a DTensor (a view of its local tensor, no copy, no communication); any other tensor (or
-    None) as it is. Statistics and copies of a DTensor are of this part."""
-    if not _DTENSOR and dtensor_class() is None:
-        return tensor
-    return tensor.to_local() if isinstance(tensor, _DTENSOR[0]) else tensor
-
-
-def _placements(tensor) -> str:
-    return ", ".join(repr(pl) for pl in tensor.placements)
-
-
-def shard_layout(tensor, what: str) -> ShardLayout | None:
-    """Where this rank's part of a DTensor parameter sits in the whole tensor; None for any other tensor.
-
-    TypeError when the local part is not a slice of the whole: a Partial placement (every rank holds a summand),
-    or a strided or custom shard. Recording stops there, as it did for every DTensor before distributed support."""
-    dtensor = dtensor_class()
-    if dtensor is None or not isinstance(tensor, dtensor):
-        return None
-    from torch.distributed.tensor import Replicate, Shard
-    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
-
-    placements = tuple(tensor.placements)
-    # Exact types: _StridedShard (FSDP2 over tensor parallelism) holds interleaved pieces, not one slice.
-    if not all(type(pl) in (Shard, Replicate) for pl in placements):
-        raise TypeError(f"{what} is a DTensor (torch.distributed.tensor, placements [{_placements(tensor)}]) whose "
-                        "local part is not a slice of the whole tensor; torch-upd records Shard and Replicate "
-                        "placements only")
-    local_shape, offset = compute_local_shape_and_global_offset(tensor.shape, tensor.device_mesh, placements)
-    if tuple(local_shape) != tuple(tensor.to_local().shape):
-        raise TypeError(f"{what} is a DTensor whose local part has shape {tuple(tensor.to_local().shape)}, not the "
-                        f"{tuple(local_shape)} its placements [{_placements(tensor)}] give: torch-upd cannot say "
-                        "where it sits in the whole tensor")
-    return ShardLayout(global_shape=list(tensor.shape), offset=[int(o) for o in offset],
-                       placements=[repr(pl) for pl in placements], mesh_shape=list(tensor.device_mesh.shape))
-
-
 def refuse_unlike_param(tensor, param, what: str) -> None:
     """Stop at a DTensor gradient or optimizer state that is not laid out like its parameter: the run stores it as
     the local part at the parameter's offset, which would then be the wrong piece (or a Partial summand)."""
@@ -123,9 +71,9 @@ def refuse_unlike_param(tensor, param, what: str) -> None:
     if dtensor is None or not isinstance(tensor, dtensor):
         return
     if not isinstance(param, dtensor):
-        raise TypeError(f"{what} is a DTensor (torch.distributed.tensor, placements [{_placements(tensor)}]) of a "
+        raise TypeError(f"{what} is a DTensor (torch.distributed.tensor, placements [{placements_text(tensor)}]) of a "
                         "parameter that is not one; torch-upd cannot say which part of it this rank holds")
     if (tensor.placements, tensor.shape, tensor.device_mesh) != (param.placements, param.shape, param.device_mesh):
         raise TypeError(f"{what} is a DTensor laid out unlike its parameter (shape {list(tensor.shape)}, placements "
-                        f"[{_placements(tensor)}]; the parameter: {list(param.shape)}, [{_placements(param)}]); "
+                        f"[{placements_text(tensor)}]; the parameter: {list(param.shape)}, [{placements_text(param)}]); "
                         "torch-upd stores a gradient or state as the part at the parameter's offset")

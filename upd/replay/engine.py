@@ -483,6 +483,8 @@ def _not_replayable(replay: OptimizerReplay, p: ParamRecord) -> str | None:
         # A rank's shard of a distributed parameter replays on its own only under elementwise math.
         if rule.needs_whole_tensor:
             return f"{rule.name} needs the whole tensor; this parameter is a shard"
+        if rule.needs_whole_rows and p.meta.get(schema.PART_LAYOUT) == schema.PART_FLAT:
+            return f"{rule.name} needs whole rows; this part is a run of the flattened parameter (DeepSpeed, FSDP1)"
         if p.numel == 0:
             return "this rank holds no part of this parameter (an empty shard)"
     missing = [k for k in (schema.KIND_PARAM, schema.KIND_GRAD, schema.KIND_PARAM_AFTER) if k not in p.kinds]

@@ -5,8 +5,9 @@ Each recording rank of a ``torch.distributed`` job writes its own file, named fr
 command, ``upd.analyze``, ``upd.verify``) must see the model the user trained, not a rank's slice of it; this
 module puts the slices back together, lazily, and only here:
 
-- each logical parameter appears once, in one of three layouts: *sharded* (FSDP2: every rank holds a box of the
-  tensor, recorded with its ``offset`` into ``global_shape``; reads are stitched from every rank's box), a
+- each logical parameter appears once, in one of three layouts: *sharded* (every rank holds a part, recorded with
+  its ``offset`` into ``global_shape`` and its ``part_layout``: a box of the tensor under FSDP2, a run of its
+  flattened elements under DeepSpeed ZeRO and FSDP1; reads are stitched from every rank's part), a
   *partition* (ZeRO: one rank holds it whole) or *replicated* (several ranks hold it whole, DDP with
   ``ranks="all"``: rank 0's copy is read, the others stay reachable through ``holders`` for the replica check);
 - records are aligned by optimizer step: the job holds the steps every rank file committed (a rank killed mid-run
@@ -18,6 +19,7 @@ tile their tensor) are RunFileErrors naming the rank and the file.
 """
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import dataclass
 
@@ -58,8 +60,27 @@ class ParamLayout:
 
     layout: str  # SHARDED, PARTITION or REPLICATED
     shape: tuple  # the logical tensor's shape
-    boxes: dict  # rank -> (offset, shard shape) of each holder; a whole copy is the box at offset 0
+    # rank -> (offset, shard shape) of each holder, in the space the parts tile (`tiled_shape`); a whole copy is
+    # the box at offset 0
+    boxes: dict
     readers: tuple  # the ranks whose boxes are read: one per distinct non-empty box, the lowest rank
+    part_layout: str = schema.PART_BOX  # how a sharded parameter's parts sit in it (schema.PART_LAYOUTS)
+
+    @property
+    def tiled_shape(self) -> tuple:
+        """The shape the parts tile: the tensor's for boxes, its element count for flat runs (row-major)."""
+        if self.part_layout == schema.PART_FLAT:
+            return (math.prod(self.shape),)  # Python integers: never wraps
+        return self.shape
+
+    def whole(self, parts: dict, dtype, rows: int | None = None) -> torch.Tensor:
+        """The whole tensor (with a leading dimension of `rows` when given) from {rank: its part}."""
+        lead = () if rows is None else (rows,)
+        out = torch.empty((*lead, *self.tiled_shape), dtype=dtype)
+        for r, part in parts.items():
+            offset, local = self.boxes[r]
+            out[(*(slice(None) for _ in lead), *(slice(o, o + s) for o, s in zip(offset, local)))] = part
+        return out.reshape(*lead, *self.shape)
 
     @property
     def ranks(self) -> list[int]:
@@ -115,7 +136,7 @@ def param_layout(metas: dict, parallelism: str | None = None) -> ParamLayout:
     sharded = [r for r in ranks if GLOBAL_SHAPE in metas[r]]
     if sharded:
         if len(sharded) < len(ranks):
-            raise ValueError(f"ranks {_ranks_text(sharded)} recorded it as a shard of a DTensor, ranks "
+            raise ValueError(f"ranks {_ranks_text(sharded)} recorded it as a part of a distributed tensor, ranks "
                              f"{_ranks_text(sorted(set(ranks) - set(sharded)))} as a plain tensor")
         shapes = {_int_list(metas[r][GLOBAL_SHAPE]) for r in ranks}
         if None in shapes or len(shapes) > 1:
@@ -125,15 +146,22 @@ def param_layout(metas: dict, parallelism: str | None = None) -> ParamLayout:
         problem = shape_problem(list(shape))  # Python integers: [2**61 + 6, 8] must not wrap to 48 elements
         if problem:
             raise ValueError(f"its global {problem}")
+        kinds = {metas[r].get(schema.PART_LAYOUT, schema.PART_BOX) for r in ranks}
+        if len(kinds) > 1 or not kinds <= set(schema.PART_LAYOUTS):
+            raise ValueError(f"its ranks recorded different or unknown part layouts "
+                             f"({', '.join(str(metas[r].get(schema.PART_LAYOUT))[:20] for r in ranks)})")
+        part_layout = kinds.pop()
+        tiled = ParamLayout(SHARDED, shape, {}, (), part_layout).tiled_shape
         boxes = {}
         for r in ranks:
-            local = _int_list(metas[r].get("shape"), len(shape))
-            offset = _int_list(metas[r].get(OFFSET), len(shape))
-            if local is None or offset is None or any(o + n > g for o, n, g in zip(offset, local, shape)):
+            local = _int_list(metas[r].get("shape"), len(tiled))
+            offset = _int_list(metas[r].get(OFFSET), len(tiled))
+            if local is None or offset is None or any(o + n > g for o, n, g in zip(offset, local, tiled)):
                 raise ValueError(f"rank {r} recorded a shard shape {str(metas[r].get('shape'))[:40]} or offset "
-                                 f"{str(metas[r].get(OFFSET))[:40]} that does not fit its global shape {list(shape)}")
+                                 f"{str(metas[r].get(OFFSET))[:40]} that does not fit its global shape {list(shape)}"
+                                 + (" as a flat run" if part_layout == schema.PART_FLAT else ""))
             boxes[r] = (offset, local)
-        problem = tiling_problem(shape, list(boxes.values()))
+        problem = tiling_problem(tiled, list(boxes.values()))
         if problem:
             raise ValueError(f"its shards on ranks {_ranks_text(ranks)} do not tile its global shape "
                              f"{list(shape)}: {problem}")
@@ -142,7 +170,7 @@ def param_layout(metas: dict, parallelism: str | None = None) -> ParamLayout:
             if all(s > 0 for s in boxes[r][1]) and boxes[r] not in seen:
                 seen.add(boxes[r])
                 readers.append(r)
-        return ParamLayout(SHARDED, shape, boxes, tuple(readers))
+        return ParamLayout(SHARDED, shape, boxes, tuple(readers), part_layout)
     shapes = {tuple(metas[r].get("shape") or ()) for r in ranks}
     if len(shapes) > 1:
         raise ValueError(f"ranks {_ranks_text(ranks)} hold it whole with different shapes "
@@ -270,20 +298,19 @@ class JobParam(ParamHistory):
             r = self._readers[0]
             rank_rows = self._rank_rows[r][job_rows]
             return self.holders[r].read(kind, int(rank_rows[0]) if single else _as_index(rank_rows))
-        out = None
+        parts = {}
         for r in self._readers:
-            offset, local = self._layout.boxes[r]
+            local = self._layout.boxes[r][1]
             part = self.holders[r].read(kind, _as_index(self._rank_rows[r][job_rows]))
             if tuple(part.shape[1:]) != tuple(local):
                 raise RunFileError(f"{self.holders[r].optimizer.run.path}: {kind!r} of parameter {self.name!r} "
                                    f"has shape {list(part.shape[1:])}, its shard {list(local)}")
-            if out is None:
-                out = torch.empty((len(job_rows), *self.shape), dtype=part.dtype)
-            elif part.dtype != out.dtype:  # stitching would cast one shard silently
-                raise RunFileError(_dtype_conflict(self, kind, r, part.dtype, out.dtype))
-            out[(slice(None), *(slice(o, o + s) for o, s in zip(offset, local)))] = part
-        if out is None:  # a tensor with no elements: no rank holds any part of it
-            out = torch.empty((len(job_rows), *self.shape))
+            if parts and part.dtype != next(iter(parts.values())).dtype:  # stitching would cast one shard silently
+                raise RunFileError(_dtype_conflict(self, kind, r, part.dtype, next(iter(parts.values())).dtype))
+            parts[r] = part
+        # A tensor with no elements: no rank holds any part of it.
+        dtype = next(iter(parts.values())).dtype if parts else torch.float32
+        out = self._layout.whole(parts, dtype, rows=len(job_rows))
         return out[0] if single else out
 
     def state_at(self, row: int) -> dict[str, torch.Tensor]:
@@ -303,14 +330,11 @@ class JobParam(ParamHistory):
             if stored == {()}:  # a scalar every rank holds whole
                 out[key] = states[self._readers[0]][key]
             elif all(self.holders[r].state_shape(key) == tuple(self._layout.boxes[r][1]) for r in self._readers):
-                whole = torch.empty(self.shape, dtype=states[self._readers[0]][key].dtype)
+                first = states[self._readers[0]][key].dtype
                 for r in self._readers:
-                    offset, local = self._layout.boxes[r]
-                    if states[r][key].dtype != whole.dtype:
-                        raise RunFileError(_dtype_conflict(self, f"state {key!r}", r, states[r][key].dtype,
-                                                           whole.dtype))
-                    whole[tuple(slice(o, o + s) for o, s in zip(offset, local))] = states[r][key]
-                out[key] = whole
+                    if states[r][key].dtype != first:
+                        raise RunFileError(_dtype_conflict(self, f"state {key!r}", r, states[r][key].dtype, first))
+                out[key] = self._layout.whole({r: states[r][key] for r in self._readers}, first)
         return out
 
     def _has(self, kind: str) -> bool:

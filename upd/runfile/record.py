@@ -11,18 +11,20 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
+from . import schema
 from .encoding import dtype_name
 
 
 @dataclass(frozen=True)
 class ShardLayout:
-    """Where a rank's part of a distributed parameter (a DTensor) sits in the whole tensor. Its field names are the
+    """Where a rank's part of a distributed parameter (a DTensor, a flat partition) sits in the whole tensor. Its field names are the
     metadata keys a sharded parameter's ``meta`` gains (docs/format.md, "Distributed jobs")."""
 
     global_shape: list  # the whole (logical) tensor's shape
     offset: list  # the global index of the local part's first element along each dimension
     placements: list  # repr() of each placement over the mesh dimensions, e.g. "Shard(dim=0)", "Replicate()"
     mesh_shape: list  # the device mesh's shape
+    part_layout: str = schema.PART_BOX  # how the part sits in the whole: schema.PART_LAYOUTS
 
 
 @dataclass

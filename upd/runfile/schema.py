@@ -25,12 +25,29 @@ ATTR_CLOSED_CLEANLY = "closed_cleanly"
 ATTR_RESUMES = "resumes"
 
 # The root meta's entry in a file written by one rank of a distributed job (docs/format.md, "Distributed jobs"):
-# {"rank", "world_size", "recording_ranks": ALL_RANKS or a list, "parallelism": one of PARALLELISMS, "job_path"}.
+# {"rank", "world_size", "recording_ranks": ALL_RANKS or a list, "parallelism": one of PARALLELISMS, "job_path"},
+# and META_RECORDED_WEIGHTS where the recorded weights are not the model's own.
 META_DISTRIBUTED = "distributed"
 ALL_RANKS = "all"
-FSDP, ZERO, DDP, REPLICATED = "fsdp", "zero", "ddp", "replicated"
-PARALLELISMS = (FSDP, ZERO, DDP, REPLICATED)
+FSDP, FSDP1, ZERO, DEEPSPEED, DDP, REPLICATED = "fsdp", "fsdp1", "zero", "deepspeed", "ddp", "replicated"
+PARALLELISMS = (FSDP, FSDP1, ZERO, DEEPSPEED, DDP, REPLICATED)
 WHOLE_ON_EVERY_RANK = (DDP, REPLICATED)  # parallelisms whose ranks hold whole copies of every parameter
+# Parallelisms in which a plain (not part-of) tensor of a rank's optimizer is stepped by that rank alone:
+# ZeroRedundancyOptimizer gives each parameter to one rank.
+PARTITIONED = (ZERO,)
+
+# How a rank's stored part of a distributed parameter sits in the whole tensor: the "part_layout" key of a part's
+# parameter metadata (docs/format.md, "Distributed jobs"), and what readers stitch the parts by.
+PART_LAYOUT = "part_layout"
+# "box": the part is whole[offset[0]:offset[0] + shape[0], ...], a box of the tensor (FSDP2's DTensor shards).
+PART_BOX = "box"
+# "flat": the part is a contiguous run of the whole tensor flattened in row-major order, elements
+# offset[0] .. offset[0] + shape[0] - 1 (one offset, a 1-d part): DeepSpeed ZeRO and FSDP1 flat partitions.
+PART_FLAT = "flat"
+PART_LAYOUTS = (PART_BOX, PART_FLAT)
+# The key of a distributed file's "distributed" entry that says which weights a rank recorded, when they are not
+# the model's own (DeepSpeed: the fp32 master partitions its optimizer steps).
+META_RECORDED_WEIGHTS = "recorded_weights"
 
 OPTIMIZERS = "optimizers"  # root group: one member group per optimizer, named by its index
 FLIGHT_DUMPS = "flight_dumps"  # root dataset
