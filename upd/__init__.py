@@ -10,14 +10,15 @@ __version__ = "0.1.0"
 
 # Each name is imported from its module when first used: a command that only reads a run (`upd info`) then never
 # imports torch (3 s and 200 MB of a 1 s answer).
-_WHERE = {"record": ".recorder", "Recorder": ".recorder", "RecorderWarning": ".recorder",
+_WHERE = {"record": ".recorder", "Recorder": ".recorder", "RecorderWarning": ".recorder", "TrainingAlert": ".recorder",
           "open_run": ".runfile", "Run": ".runfile", "Job": ".runfile", "RunFileError": ".runfile",
           "verify": ".replay.engine", "VerifyReport": ".replay.engine",
           "analyze": ".analyzer.analyze", "Analysis": ".analyzer.analyze",
           "compare": ".analyzer.compare", "Comparison": ".analyzer.compare",
           "Thresholds": ".analyzer.summary", "replay": None, "sinks": None}
 
-__all__ = ["record", "Recorder", "RecorderWarning", "open_run", "Run", "Job", "RunFileError", "verify", "VerifyReport",
+__all__ = ["record", "Recorder", "RecorderWarning", "TrainingAlert", "open_run", "Run", "Job", "RunFileError", "verify",
+           "VerifyReport",
            "analyze", "Analysis", "compare", "Comparison", "Thresholds", "replay", "sinks", "__version__"]
 
 

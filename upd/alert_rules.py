@@ -65,6 +65,12 @@ class AlertRules:
             raise ValueError("need spike_window >= spike_min_history >= 1")
 
 
+def is_weight(shape) -> bool:
+    """Weights are the matrices and kernels (ndim >= 2), the tensors Karpathy's plot shows; biases and norm
+    scales are summarised but not judged by the band, since their ratios are not expected to sit near -3."""
+    return len(tuple(shape)) >= 2
+
+
 def _get(values, column):
     """values[column] as float64 (scalar or array); NaN when the step did not measure it."""
     value = values.get(column)

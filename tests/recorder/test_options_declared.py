@@ -75,4 +75,4 @@ def test_the_run_stores_the_options_it_stored_before(tmp_path):
         stored = run.meta["options"]
     assert stored == {"every": 2, "stats_every": None, "zero_counts": ["grad"], "full_stats_every": 100,
                       "stats_sample": None, "flight_recorder": None, "spike_factor": 10.0, "include": ["fc1.*"],
-                      "exclude": [], "what": ["param"], "dtype": "keep", "compression": None}
+                      "exclude": [], "what": ["param"], "dtype": "keep", "compression": None, "alerts": None}

@@ -14,7 +14,7 @@ from ..runfile.opening import open_run
 from ..alert_rules import AlertRules
 from ..replay.engine import replica_checks
 from ..runfile.job import REPLICATED
-from .findings import Finding, find, format_findings, replica_findings
+from .findings import Finding, find, format_findings, recorded_findings, replica_findings
 from .metrics import METRICS, metrics_table, spectral_notes, spectral_rows, with_metric_medians
 from .steps import compared_steps, describe_steps, full_record_steps, histogram_keys
 from .summary import Thresholds, summarize
@@ -143,6 +143,7 @@ def analyze(run, out_dir=None, *, thresholds: Thresholds = Thresholds(), hist_st
         summary = with_metric_medians(summarize(ratios, params, thresholds), metrics)
         rules = AlertRules(low=thresholds.low, high=thresholds.high)
         findings = find(ratios, params, summary, scalars=run.scalars(), stats=_stats_if_any(run), rules=rules)
+        findings += recorded_findings(run.events())
         replicas, replica_notes = replica_check(run)
         findings = sorted(findings + replicas, key=lambda f: -f.severity)
         images = {}

@@ -38,6 +38,8 @@ NAMES_SHOWN = 4
 
 # The finding kinds beside the alert rules' own (upd.alert_rules), and the spike the loss followed (ranked apart).
 CLIPPING, REPLICAS, SPIKE_LOSS_FOLLOWED = "clipping", "replicas_diverge", "update_spike_loss"
+# The live alerts the recorder stored in the run (upd.record(..., alerts=...), run.events()): one finding per kind.
+RECORDED = "recorded_alerts"
 # Severity: the rank of a finding (higher first); within a kind, larger numbers first.
 SEVERITY = {rules_.NONFINITE: 100, REPLICAS: 95, SPIKE_LOSS_FOLLOWED: 90, rules_.NOT_MOVING: 80,
             rules_.SECOND_MOMENT_COLLAPSE: 70, rules_.EXP_AVG_RATIO: 70, rules_.OUT_OF_BAND: 60,
@@ -247,6 +249,26 @@ def spike_findings(spikes: list, loss, rules: AlertRules) -> list[Finding]:
         out.append(Finding(rules_.UPDATE_SPIKE, SEVERITY[kind_key] + min(math.log10(top[2]), 9.9), text, names, step,
                            {"weights": [{"param": h[1], "factor": h[2], "update_norm": h[3], "median": h[4],
                                          "lr_factor": h[5]} for h in hits], "loss": followed}))
+    return out
+
+
+def recorded_findings(events: pd.DataFrame) -> list[Finding]:
+    """The live alerts stored in the run (run.events()), one finding per alert kind: when it first fired, on which
+    parameters, how many times; ranked just below the offline finding of the same kind."""
+    out = []
+    if not len(events):
+        return out
+    for kind, rows in events.sort_values(["step", "optimizer"], kind="stable").groupby("kind", sort=False):
+        first = rows.iloc[0]
+        names = list(dict.fromkeys(rows["param"]))
+        at_first = list(dict.fromkeys(rows[rows["step"] == first["step"]]["param"]))
+        words = rules_.ALERT_WORDS.get(kind, "an alert of an unknown kind")
+        text = (f"live alerts recorded: {kind} ({words}) first at step {int(first['step'])} on {_names(at_first)}; "
+                f"{len(rows)} in all, on {len(names)} parameters (run.events())")
+        out.append(Finding(RECORDED, SEVERITY.get(kind, 0) - 1 + min(len(rows), 99) / 100, text, names,
+                           int(first["step"]),
+                           {"alert_kind": str(kind), "events": int(len(rows)), "first_step": int(first["step"]),
+                            "steps": sorted({int(s) for s in rows["step"]})[:100]}))
     return out
 
 

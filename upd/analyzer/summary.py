@@ -11,6 +11,7 @@ from dataclasses import dataclass
 import numpy as np
 import pandas as pd
 
+from ..alert_rules import is_weight  # declared with the rules: the live alerts judge the same weights
 from ..safe_text import text_table
 
 SUMMARY_COLUMNS = ["optimizer", "param", "shape", "records", "latest_update_to_data", "median_update_to_data",
@@ -32,12 +33,6 @@ class Thresholds:
     def __post_init__(self):
         if not self.low < self.high:
             raise ValueError(f"low threshold ({self.low}) must be below high ({self.high})")
-
-
-def is_weight(shape) -> bool:
-    """Weights are the matrices and kernels (ndim >= 2), the tensors Karpathy's plot shows; biases and norm
-    scales are summarised but not judged, since their ratios are not expected to sit near -3."""
-    return len(tuple(shape)) >= 2
 
 
 def status_of(median: float, shape, thresholds: Thresholds) -> str:

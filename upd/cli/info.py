@@ -20,6 +20,8 @@ from .common import RUN_ARG
 # --wide, --json and run.params() list every one.
 INFO_PARAM_ROWS = 50
 
+EVENTS_SHOWN = 10  # events listed in the terminal (--json lists them all)
+
 @click.command()
 @RUN_ARG
 @click.option("--json", "as_json", is_flag=True, help="Print the description as JSON (every name whole).")
@@ -38,6 +40,10 @@ def info(run, as_json, wide):
         desc["clipping"] = [dataclasses.asdict(s) | {"text": s.text()} for s in summarize_clipping(scalars)]
         desc["scalars"] = {"names": [c for c in scalars.columns if c not in ("optimizer", "step", "wall_time")],
                            "steps": int(len(scalars))}
+        events = r.events()
+        desc["events"] = [{"optimizer": int(e.optimizer), "step": int(e.step), "kind": e.kind, "param": e.param,
+                           "value": None if e.value is None or e.value != e.value else float(e.value),
+                           "wall_time": float(e.wall_time)} for e in events.itertuples()]
     if as_json:
         click.echo(json.dumps(desc, indent=2))  # JSON escapes control characters itself
         return
@@ -90,6 +96,14 @@ def info(run, as_json, wide):
                    "(run.scalars(), run.steps())")
     for clipping in desc["clipping"]:
         click.echo(clipping["text"])
+    if desc["events"]:
+        click.echo(f"events: {len(desc['events'])} live alerts (run.events(); upd analyze ranks them):")
+        for e in desc["events"][:EVENTS_SHOWN]:
+            value = "" if e["value"] is None else f" ({e['value']:.3g})"
+            where = f"optimizer {e['optimizer']} " if e["optimizer"] else ""
+            click.echo(f"  {where}step {e['step']}: {e['kind']} {e['param']}{value}")
+        if len(desc["events"]) > EVENTS_SHOWN:
+            click.echo(f"  ... and {len(desc['events']) - EVENTS_SHOWN} more")
     if desc["params_not_optimized"]:
         click.echo(f"model parameters in no optimizer: {shorten_all(desc['params_not_optimized'])}")
 

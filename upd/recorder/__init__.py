@@ -1,6 +1,6 @@
 """Recording side: hooks on the optimizer, parameter names, snapshots, statistics on the device, the flight
 recorder. The run file itself is written by ``upd.runfile``."""
-__all__ = ["Recorder", "RecorderWarning", "record"]
+__all__ = ["Recorder", "RecorderWarning", "TrainingAlert", "record"]
 
 
 def __getattr__(name: str):

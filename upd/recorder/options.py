@@ -15,6 +15,7 @@ import inspect
 import textwrap
 from typing import Any, Sequence
 
+from ..alert_rules import AlertRules
 from ..runfile import schema
 
 ZERO_COUNT_KINDS = ("param", "grad", "update", "state")
@@ -119,6 +120,15 @@ class RecordOptions:
              "without ``flight_recorder``."))
     spike_factor: float = option(10.0, "Flight recorder: a norm this many times its recent median is a spike.",
                                  FACTOR, stored=True)
+    alerts: Any = option(False, "Early warnings: check each statistics step live (band, update-norm spike, NaN/Inf); "
+                                "True, or an upd.alert_rules.AlertRules.", FLAG, stored=True,
+        doc=('early warnings (``True``, or an ``upd.alert_rules.AlertRules`` with other thresholds): each statistics '
+             'step is checked on the writer thread, from the values already on the host, for a weight leaving the '
+             'update:data band, an update-norm spike, NaN/Inf (and the other rules of docs/diagnosis.md). A new alert '
+             'is an ``upd.TrainingAlert`` warning (rate-limited: once per kind and weight, at most 10, then one saying '
+             'the rest are stored), an entry of the run\'s events (``Run.events``), ``alerts/<kind>`` counts in every '
+             'sink, and with ``flight_recorder=K`` a NaN/Inf or spike alert dumps the kept steps. Implies statistics '
+             'at every step unless ``stats_every`` says.'))
     overwrite: bool = option(False, "Replace RUN and all its files (parts, rank files) first.", FLAG,
         doc=('replace an existing file.'))
     resume: bool = option(False, "Append to RUN (training restarted from a checkpoint).", FLAG,
@@ -143,6 +153,7 @@ class RecordOptions:
             value = getattr(self, name)
             object.__setattr__(self, name, (value,) if isinstance(value, str) else tuple(value))
         object.__setattr__(self, "sinks", tuple(self.sinks or ()))
+        object.__setattr__(self, "alerts", alert_rules_of(self.alerts))
 
     @classmethod
     def of_call(cls, options: dict) -> "RecordOptions":
@@ -155,8 +166,12 @@ class RecordOptions:
         return cls(**options)
 
     def live(self) -> bool:
-        """Live sinks are fed (sinks= or tensorboard=): statistics at every step unless stats_every says."""
-        return bool(self.sinks) or self.tensorboard is not None
+        """Live sinks are fed (sinks= or tensorboard=) or alerts checked: statistics at every step unless
+        stats_every says."""
+        return bool(self.sinks) or self.tensorboard is not None or self.alerts_on()
+
+    def alerts_on(self) -> bool:
+        return self.alerts is not None
 
     def stored(self, **as_recorded) -> dict:
         """The run metadata's ``options``: the stored options, in declaration order, with the values the recorder
@@ -165,8 +180,22 @@ class RecordOptions:
         for f in dataclasses.fields(self):
             if f.metadata["stored"]:
                 value = as_recorded.get(f.name, getattr(self, f.name))
+                if dataclasses.is_dataclass(value):  # alerts=: the rules' thresholds
+                    value = dataclasses.asdict(value)
                 out[f.name] = list(value) if isinstance(value, tuple) else value
         return out
+
+
+def alert_rules_of(value) -> AlertRules | None:
+    """The rules an ``alerts=`` value asks for: None (off) for False or None, the default rules for True, or the
+    AlertRules given; ValueError for anything else."""
+    if value is None or value is False:
+        return None
+    if value is True:
+        return AlertRules()
+    if isinstance(value, AlertRules):
+        return value
+    raise ValueError(f"alerts= takes True, False or an upd.alert_rules.AlertRules, got {value!r}")
 
 
 def fields() -> tuple:
@@ -185,7 +214,7 @@ def record_signature(*leading: inspect.Parameter) -> inspect.Signature:
 def check_record_options(*, every=1, stats_every=None, full_stats_every=100, flight_recorder=None,
                          spike_factor=10.0, what=schema.WHAT_CHOICES, dtype="keep", compression=None,
                          zero_counts=("grad",), tensorboard=None, overwrite=False, resume=False,
-                         stats_sample=None, sinks=()) -> None:
+                         stats_sample=None, sinks=(), alerts=False) -> None:
     """Raise ValueError naming the first option upd.record would refuse; the defaults are upd.record's."""
     for label, cadence in (("every", every), ("stats_every", stats_every), ("full_stats_every", full_stats_every)):
         if cadence is not None and (not isinstance(cadence, int) or isinstance(cadence, bool) or cadence < 1):
@@ -198,8 +227,10 @@ def check_record_options(*, every=1, stats_every=None, full_stats_every=100, fli
         raise ValueError(f"flight_recorder must be a positive number of steps or None, got {flight_recorder!r}")
     if not spike_factor > 1:
         raise ValueError(f"spike_factor must be > 1, got {spike_factor!r}")
-    if every is None and stats_every is None and tensorboard is None and not sinks and flight_recorder is None:
-        raise ValueError("every=None and stats_every=None would record nothing")  # live sinks imply stats
+    alert_rules_of(alerts)  # ValueError for a value alerts= does not take
+    if every is None and stats_every is None and tensorboard is None and not sinks and flight_recorder is None \
+            and alerts in (None, False):
+        raise ValueError("every=None and stats_every=None would record nothing")  # live sinks and alerts imply stats
     unknown = set((what,) if isinstance(what, str) else what) - set(schema.WHAT_CHOICES)
     if unknown:
         raise ValueError(f"what= accepts {schema.WHAT_CHOICES}, got {sorted(unknown)}")

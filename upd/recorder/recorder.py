@@ -31,6 +31,7 @@ from ..runfile.async_writer import AsyncRunWriter
 from ..sinks.feed import SINKS_JOB, SINKS_OWN, SinkFeed, close_unused, sink_problem
 from ..sinks.tensorboard import TensorBoard
 from . import distributed, job_scalars
+from .alerts import LiveAlerts
 from .attaching import attach
 from .backward import BackwardCounts, eager
 from .flight_recorder import FlightRecorder
@@ -47,6 +48,10 @@ from .track import OptimizerTrack, TrackSettings
 
 class RecorderWarning(UserWarning):
     """The recorder stopped recording; training goes on."""
+
+
+class TrainingAlert(RecorderWarning):
+    """A live alert (``upd.record(..., alerts=True)``): a weight left the band, an update norm spiked, NaN/Inf."""
 
 
 class Recorder:
@@ -77,6 +82,7 @@ class Recorder:
         self.error: BaseException | None = None
         self._flight: FlightRecorder | None = None  # made with the writer it dumps to
         self._sinks: SinkFeed | None = None  # the sinks this process feeds (sink_role)
+        self._alerts = LiveAlerts(opts.alerts, dump=opts.flight_recorder is not None) if opts.alerts else None
         self._given_sinks = list(opts.sinks)  # closed with the recorder, fed or not
         self._handles = []
         self._tracks: list[OptimizerTrack] = []  # one per optimizer, in the run's order
@@ -109,15 +115,18 @@ class Recorder:
                 "record inside `with upd.record(...)`), or record to another path"))
             return
         self.optimizers = optimizers
+        # opts.live(): sinks, tensorboard= or alerts= (checked on the writer thread, by the SinkFeed).
         role = distributed.sink_role(self.rank_setup) if opts.live() else None
         feeds_sinks = role == SINKS_OWN or (role == SINKS_JOB and self.rank_setup.rank == 0)
+        # Alerts alone read the statistics the writer gets anyway: no extra scalar host copy per statistics step.
+        has_sinks = bool(self._given_sinks) or opts.tensorboard is not None
         # A job's statistics are its local parts' exact ones: stats_sample is for single-process runs.
         stats_sample = None if self.rank_setup is not None else opts.stats_sample
         settings = TrackSettings(
             every=opts.every, stats_every=stats_every, full_stats_every=opts.full_stats_every,
             stats_sample=stats_sample, what=opts.what, zero_counts=opts.zero_counts, include=self.include,
             exclude=self.exclude, rank_setup=self.rank_setup, keeps_every_step=opts.flight_recorder is not None,
-            feeds_sinks=feeds_sinks, shares_job_statistics=role == SINKS_JOB)
+            feeds_sinks=feeds_sinks and has_sinks, shares_job_statistics=role == SINKS_JOB)
         try:
             # Everything the run's metadata needs from the model and the optimizers, read before the file exists:
             # an object that only looks like them fails here, and leaves no file behind.
@@ -145,7 +154,10 @@ class Recorder:
             # statistics (_feed_job_step), not its own part's.
             given = self._given_sinks if opts.tensorboard is None else [TensorBoard(opts.tensorboard),
                                                                          *self._given_sinks]
-            self._sinks = SinkFeed(given, self._warn_sink)
+            self._sinks = SinkFeed(given, self._warn_sink, alerts=self._alerts)
+        if role == SINKS_JOB and self._alerts is not None and self.rank_setup.rank == 0:
+            warnings.warn("torch-upd: alerts= is not checked in a job whose ranks hold parts of the parameters (this "
+                          "version); recording goes on without it.", RecorderWarning, stacklevel=3)
         # A split job's live statistics: every rank adds its parts' statistics, rank 0 feeds the sinks (job_scalars).
         if settings.shares_job_statistics:
             self._job_scalars = JobScalars(self.rank_setup.rank, self.rank_setup.world_size, stats_every,
@@ -185,6 +197,8 @@ class Recorder:
                 for track in self._tracks:
                     self._handles.append(track.optimizer.register_step_post_hook(self._make_post_hook(track)))
             return
+        if self._alerts is not None:
+            self._alerts.store = self._writer.events_writer()
         if opts.flight_recorder is not None:
             self._flight = FlightRecorder(self._writer, len(optimizers), opts.flight_recorder, opts.spike_factor)
         try:
@@ -368,6 +382,8 @@ class Recorder:
             self._records += 1
             self._full_records += bool(selected)
         self._stats_steps += rec.stats is not None
+        if self._alerts is not None:
+            self._act_on_alerts()
 
     # -- logged scalars ---------------------------------------------------------------------------------------
     def log(self, after_step: bool = False, **scalars) -> None:
@@ -417,6 +433,17 @@ class Recorder:
     def _warn_job_scalars(self, why: str) -> None:
         warnings.warn(f"torch-upd: the job's live statistics stop: {why}; training continues.",
                       RecorderWarning, stacklevel=2)
+
+    def _act_on_alerts(self, closing: bool = False) -> None:
+        """On the training thread: the alerts the writer thread found since the last step warned about, and the
+        flight recorder's dump they asked for done (upd.recorder.alerts)."""
+        texts, reason = self._alerts.take()
+        for text in texts:
+            warnings.warn(text, TrainingAlert, stacklevel=4)
+        if reason is not None and self._flight is not None and not closing:
+            self._flight.dump(reason)
+        if closing and self._alerts.closing_text():
+            warnings.warn(self._alerts.closing_text(), TrainingAlert, stacklevel=3)
 
     @staticmethod
     def _warn_sink(why: str) -> None:
@@ -469,6 +496,9 @@ class Recorder:
                 for track in self._tracks:
                     if track.live_rows:
                         self._guard(self._feed_job_step, track, None)
+            if self._alerts is not None and self.active:  # the last steps' alerts, dumps included, before the end
+                self._guard(self._writer.sync)
+                self._guard(self._act_on_alerts)
             was_active = self.active  # a write that failed stopped recording
         self.active = False
         self._remove_hooks()
@@ -490,6 +520,8 @@ class Recorder:
                               "what was committed before stays readable.", RecorderWarning, stacklevel=2)
             finally:
                 self._close_sinks()
+                if self._alerts is not None:  # the last records' alerts, checked as the writer drained
+                    self._act_on_alerts(closing=True)
         else:
             self._close_sinks()
 

@@ -490,6 +490,19 @@ class AsyncRunWriter:
         self._check_open("add_dump()")
         self._put((_CALL, functools.partial(_writer_method, self._shared, "add_dump", info), None))
 
+    def add_events(self, events: list[dict]) -> None:
+        """Queue live alerts for the events table (``RunWriter.add_events``) after the records queued before it,
+        without waiting, like ``add_dump``. Code on the writer thread itself appends through ``events_writer()``."""
+        self._raise_if_failed()
+        self._check_open("add_events()")
+        self._put((_CALL, functools.partial(_writer_method, self._shared, "add_events", events), None))
+
+    def events_writer(self) -> Callable[[list], None]:
+        """A function that appends live alerts to the run's events table (``RunWriter.add_events``) at once, for
+        code that runs on the writer thread itself (an ``on_written`` hook, a ``run_later`` function): the entries
+        follow the records that made them. It holds the thread's shared state, never this writer."""
+        return functools.partial(_writer_method, self._shared, "add_events")
+
     def run_later(self, fn) -> None:
         """Queue ``fn()`` to run on the writer thread after everything queued before it, without waiting for it
         (but for queue space, like ``write``). What it raises is warned about and is never the file's error."""
@@ -510,6 +523,10 @@ class AsyncRunWriter:
 
     def last_step(self, index: int):
         return self._call(_writer_method, self._shared, "last_step", index)
+
+    def sync(self) -> None:
+        """Wait until everything queued so far is written (held statistics rows too) and its on_written hook ran."""
+        self._call(lambda: None)
 
     def truncate_from(self, index: int, step: int) -> dict:
         return self._call(_writer_method, self._shared, "truncate_from", index, step)

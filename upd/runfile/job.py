@@ -33,8 +33,8 @@ from .errors import RunFileError
 from .ranks import rank_files, rank_path
 from .validate import shape_problem
 from .ratio_table import ratios_table
-from .reader import (DEFAULT_BLOCK_BYTES, DUMP_COLUMNS, PARAMS_COLUMNS, ParamHistory, ParamRecord, Run, RunReader,
-                     clip_rows, describe_optimizer, param_entries, params_row, steps_table)
+from .reader import (DEFAULT_BLOCK_BYTES, DUMP_COLUMNS, EVENT_COLUMNS, PARAMS_COLUMNS, ParamHistory, ParamRecord,
+                     Run, RunReader, clip_rows, describe_optimizer, param_entries, params_row, steps_table)
 from .stats_table import in_model_order, stats_param_meta
 
 __all__ = ["Job", "JobOptimizer", "JobParam", "ParamLayout", "is_job_path", "param_layout",
@@ -575,6 +575,14 @@ class Job(RunReader):
         table = pd.concat([f for f in frames if len(f)], ignore_index=True) if any(len(f) for f in frames) else \
             pd.DataFrame(columns=DUMP_COLUMNS + ["rank"])
         return table[["rank"] + DUMP_COLUMNS]
+
+    def events(self) -> pd.DataFrame:
+        """Every rank's live alerts (Run.events()), with the rank that raised each: the process that feeds the
+        sinks checks them (in a job whose ranks hold parts of the parameters, rank 0, on the whole values)."""
+        frames = [run.events().assign(rank=rank) for rank, run in self.ranks.items()]
+        table = pd.concat([f for f in frames if len(f)], ignore_index=True) if any(len(f) for f in frames) else \
+            pd.DataFrame(columns=EVENT_COLUMNS + ["rank"])
+        return table[["rank"] + EVENT_COLUMNS]
 
     def stats(self) -> pd.DataFrame:
         """The per-step statistics table of the whole job: one row per (optimizer, param, step) at the steps every

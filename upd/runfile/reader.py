@@ -25,7 +25,7 @@ from .ratio_table import ratios_table
 from .scalars_table import KEY_COLUMNS as SCALAR_KEY_COLUMNS, scalars_frame
 from .stats_table import committed_stats_rows, hparams_rows, stats_frame, stats_param_meta, stats_state_keys
 from .step_table import model_order, step_frame
-from .validate import Validator, check_path, json_value, link_type
+from .validate import Validator, check_path, event_entry, json_value, link_type
 
 if TYPE_CHECKING:
     import torch
@@ -41,6 +41,7 @@ METADATA_CACHE_BYTES = 4 * 1024 * 1024
 KEPT_OPEN_PARAMS = 2
 
 DUMP_COLUMNS = ["optimizer", "reason", "trigger_step", "steps", "wall_time"]
+EVENT_COLUMNS = list(schema.EVENT_FIELDS)
 
 _HPARAMS = f"{schema.RECORDS}/{schema.HPARAMS}"
 _CLOSURE_LOSSES = f"{schema.RECORDS}/{schema.CLOSURE_LOSSES}"
@@ -588,6 +589,12 @@ class Run(RunReader):
         """The flight-recorder dumps, one row each (optimizer, reason, trigger_step, steps, wall_time)."""
         return pd.DataFrame(self._dump_entries(), columns=DUMP_COLUMNS)
 
+    def events(self) -> pd.DataFrame:
+        """The live alerts recorded (``upd.record(..., alerts=...)``), one row each, in the order raised: optimizer,
+        step, kind (an ``upd.alert_rules`` kind), param, value (the number that made it fire), wall_time. Each is
+        an alert that did not fire at the optimizer's previous statistics step (docs/diagnosis.md)."""
+        return pd.DataFrame(self._event_entries(), columns=EVENT_COLUMNS)
+
     @property
     def size_bytes(self) -> int:
         """Bytes read: the file's size, or the copy's for a run being written."""
@@ -644,6 +651,21 @@ class Run(RunReader):
         if not all(isinstance(d, dict) for d in dumps):
             raise RunFileError(f"{self.path}: {schema.FLIGHT_DUMPS} is malformed (not a list of JSON objects)")
         return dumps
+
+    def _event_entries(self) -> list[dict]:
+        check = self._validator()
+        where = f"dataset '{schema.EVENTS}'"
+        ds = check.declared(self._file, schema.ROOT.dataset(schema.EVENTS), where)
+        if ds is None:
+            return []
+        rows = ds.shape[0]
+        if rows > schema.MAX_EVENT_ROWS:
+            raise RunFileError(f"{self.path}: {where} has {rows} entries (the limit is {schema.MAX_EVENT_ROWS})")
+        check.readable(ds, rows, where)
+        check.vlen_rows(ds, range(rows), where, limit=schema.MAX_EVENT_BYTES)
+        with self._reading(where):
+            entries = [json_value(x) for x in ds[()]]
+        return [event_entry(entry, f"{self.path}: {where}, entry {i}") for i, entry in enumerate(entries)]
 
     def stats(self) -> pd.DataFrame:
         """The per-step statistics table (recorded with stats_every=): one row per (optimizer, param, step) with

@@ -51,6 +51,12 @@ META_RECORDED_WEIGHTS = "recorded_weights"
 
 OPTIMIZERS = "optimizers"  # root group: one member group per optimizer, named by its index
 FLIGHT_DUMPS = "flight_dumps"  # root dataset
+EVENTS = "events"  # root dataset: the live alerts (upd.record(..., alerts=...)), one JSON object each
+# The fields of an events entry (the columns of run.events()), and what a reader accepts of a stranger's table:
+# at most MAX_EVENT_ROWS entries (the recorder stores at most 10,000) of at most MAX_EVENT_BYTES each.
+EVENT_FIELDS = ("optimizer", "step", "kind", "param", "value", "wall_time")
+MAX_EVENT_ROWS = 20_000
+MAX_EVENT_BYTES = 4096
 
 # Members of an optimizer's group.
 RECORDS = "records"  # the record table
@@ -240,7 +246,8 @@ ROOT = Group(
            Attr(ATTR_PARAMS_NOT_OPTIMIZED, "JSON list", required=False),
            Attr(ATTR_CLOSED_CLEANLY, "JSON true", required=False),
            Attr(ATTR_RESUMES, "JSON list", required=False)),
-    datasets=(Dataset(FLIGHT_DUMPS, STRING, ("D",), "string", chunks=(64,), required=False),),
+    datasets=(Dataset(FLIGHT_DUMPS, STRING, ("D",), "string", chunks=(64,), required=False),
+              Dataset(EVENTS, STRING, ("E",), "string", chunks=(256,), required=False)),
 )
 
 OPTIMIZERS_GROUP = Group(f"/{OPTIMIZERS}")

@@ -223,15 +223,16 @@ class Validator:
         with self.reading(f"{where} attribute {name!r}"):
             return obj.attrs[name]
 
-    def vlen_rows(self, ds: h5py.Dataset, rows: range, where: str) -> None:
-        """Before HDF5 reads strings `rows` of ds: refuse lengths it would allocate that no valid run has."""
+    def vlen_rows(self, ds: h5py.Dataset, rows: range, where: str, limit: int = schema.MAX_META_BYTES) -> None:
+        """Before HDF5 reads strings `rows` of ds: refuse lengths it would allocate that no valid run has (longer
+        than `limit` bytes)."""
         if self.raw is None or not len(rows):
             return
         with self.reading(where):
             lengths = self.raw.dataset_vlen_lengths(ds, rows)
         claimed = max(lengths or [0])
-        if claimed > schema.MAX_META_BYTES:
-            raise self.fail(where, f"claims a string of {claimed} bytes (the limit is {schema.MAX_META_BYTES})")
+        if claimed > limit:
+            raise self.fail(where, f"claims a string of {claimed} bytes (the limit is {limit})")
 
     def get_attr(self, obj, name: str, where: str, default=None):
         try:
@@ -409,6 +410,25 @@ def json_value(raw):
             and not _is_utf8(json.dumps(value, ensure_ascii=False)):
         raise ValueError("text holds an invalid Unicode escape (a lone surrogate)")
     return value
+
+
+def event_entry(entry, where: str) -> dict:
+    """One events-table entry checked (docs/format.md, ``events``): a JSON object with EVENT_FIELDS, integers for
+    optimizer and step, strings for kind and param, a number or null for value, a number for wall_time; returned
+    with those fields only. RunFileError otherwise."""
+    def number(v):
+        return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+    if not isinstance(entry, dict):
+        raise RunFileError(f"{where} is not a JSON object")
+    checks = {"optimizer": lambda v: isinstance(v, int) and not isinstance(v, bool) and v >= 0,
+              "step": lambda v: isinstance(v, int) and not isinstance(v, bool) and v >= 0,
+              "kind": lambda v: isinstance(v, str), "param": lambda v: isinstance(v, str),
+              "value": lambda v: v is None or number(v), "wall_time": number}
+    for name in schema.EVENT_FIELDS:
+        if name not in entry or not checks[name](entry[name]):
+            raise RunFileError(f"{where}: {name!r} is missing or not what an event holds")
+    return {name: entry[name] for name in schema.EVENT_FIELDS}
 
 
 # Valid UTF-8 text parses to a lone surrogate only through a \uD800..\uDFFF escape: without one (a search at C

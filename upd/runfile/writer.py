@@ -566,6 +566,19 @@ class RunWriter:
         self._append(ds, ds.shape[0], encoding.to_json(info))
         self._flushed()
 
+    def add_events(self, events: list[dict]) -> None:
+        """Append live alerts (docs/format.md, ``events``) to /events, one JSON object each."""
+        if not events:
+            return
+        self._locks.begin()
+        if schema.EVENTS not in self.file:
+            create_dataset(self.file, schema.ROOT.dataset(schema.EVENTS))
+        ds = self.file[schema.EVENTS]
+        start = ds.shape[0]
+        ds.resize(start + len(events), axis=0)
+        ds[start:] = [encoding.to_json(event) for event in events]
+        self._flushed()
+
     def set_attr(self, name: str, value) -> None:
         self._locks.begin()
         self.file.attrs[name] = encoding.to_json(value)

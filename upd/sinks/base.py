@@ -25,10 +25,13 @@ import math
 from dataclasses import dataclass, field
 from typing import Mapping, Protocol, Sequence, runtime_checkable
 
+from ..alert_rules import ALERT_WORDS  # its keys: every alert kind
 # LIVE_COLUMNS: the statistics a live sink shows per parameter, each as "<column>/<param>", in this order.
 from ..statistics import LIVE_COLUMNS
 # Logged scalars (rec.log, the recorder's total gradient norms and clipping) are "scalars/<name>".
 SCALARS_SECTION = "scalars"
+# Live alerts: at each checked step, how many parameters each rule fired for, "alerts/<kind>" (0 when none did).
+ALERTS_SECTION = "alerts"
 
 
 @dataclass(frozen=True)
@@ -37,13 +40,16 @@ class SinkStep:
 
     ``optimizer``: the optimizer's index in the recording (0 for the first); ``step``: its step count, the run
     file's ``step`` (0 for the first step); ``params``: parameter name -> {statistic column: value} (empty when the
-    step had logged scalars only); ``scalars``: logged name -> value (loss, lr, total gradient norms).
+    step had logged scalars only); ``scalars``: logged name -> value (loss, lr, total gradient norms); ``alerts``:
+    with ``upd.record(..., alerts=...)``, the ``upd.alert_rules.Alert``s of a statistics step (empty: none fired),
+    None when the step was not checked. ``metrics`` shows their counts as "alerts/<kind>".
     """
     optimizer: int
     step: int
     wall_time: float
     params: Mapping[str, Mapping[str, float]] = field(default_factory=dict)
     scalars: Mapping[str, float] = field(default_factory=dict)
+    alerts: Sequence | None = None
 
 
 @runtime_checkable
@@ -86,4 +92,10 @@ def metrics(step: SinkStep, columns: Sequence[str] = LIVE_COLUMNS, limit: float 
         v = finite(raw, limit)
         if v is not None:
             out[f"{SCALARS_SECTION}/{prefix}{name}"] = v
+    if step.alerts is not None:
+        counts = dict.fromkeys(ALERT_WORDS, 0)
+        for alert in step.alerts:
+            counts[alert.kind] = counts.get(alert.kind, 0) + 1
+        for kind, count in counts.items():
+            out[f"{ALERTS_SECTION}/{prefix}{kind}"] = float(count)
     return out

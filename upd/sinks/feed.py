@@ -52,16 +52,19 @@ class SinkFeed:
     """The sinks of one recorder. ``warn(text)`` tells the user (once per sink) that a sink raised and was dropped;
     training and the run file go on."""
 
-    def __init__(self, sinks: Sequence[Sink], warn: Callable[[str], None]):
+    def __init__(self, sinks: Sequence[Sink], warn: Callable[[str], None], alerts=None):
         self.sinks = list(sinks)
+        self.alerts = alerts  # upd.recorder.alerts.LiveAlerts: checks each statistics step before the sinks see it
         self.dropped: list[Sink] = []  # sinks that raised: fed no more, closed quietly at close()
         self.warn = warn
 
     def records_written(self, records: list[Record]) -> None:
         """The run file writer's on_written hook."""
-        if self.sinks:
+        if self.sinks or self.alerts is not None:
             steps = sink_steps(records)
-            if steps:
+            if self.alerts is not None and steps:
+                steps = self.alerts.check_records(records, steps)
+            if steps and self.sinks:
                 self.deliver(steps)
 
     def deliver(self, steps: list[SinkStep]) -> None:
