@@ -16,6 +16,7 @@ recording with one RecorderWarning naming it.
 from __future__ import annotations
 
 import gc
+import warnings
 
 import torch
 import torch.distributed as dist
@@ -165,9 +166,14 @@ class DeepSpeed(Wrapper):
         classes = zero_classes()
         if not classes or not isinstance(optimizer, torch.optim.Optimizer) or isinstance(optimizer, PartitionView):
             return None
-        for obj in gc.get_objects():
-            if isinstance(obj, classes) and attribute(obj, "optimizer") is optimizer:
-                return obj
+        with warnings.catch_warnings():  # looking at every live object touches deprecated module attributes
+            warnings.simplefilter("ignore")
+            for obj in gc.get_objects():
+                try:
+                    if isinstance(obj, classes) and attribute(obj, "optimizer") is optimizer:
+                        return obj
+                except ReferenceError:  # a weak proxy whose object is gone (isinstance looks up its class)
+                    continue
         return None
 
     def local_optimizer(self, optimizer, model):
