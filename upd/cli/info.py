@@ -83,7 +83,7 @@ def info(run, as_json, wide):
                    f"{opt['records']} full-tensor records ({span}), {opt['stats_steps']} statistics steps{stats_span}")
         if opt["params"]:
             listed = opt["params"] if wide else opt["params"][:INFO_PARAM_ROWS]
-            click.echo(_indent(text_table(param_table(listed), keep=["param", "shape", "rows", "stats rows"],
+            click.echo(_indent(text_table(param_table(listed), keep=["param", "shape", "rows", "stats rows", "ranks"],
                                           wide=wide)))
             if len(listed) < len(opt["params"]):
                 click.echo(f"  ... and {len(opt['params']) - len(listed)} more parameters (--wide or --json lists "
