@@ -24,6 +24,13 @@ the right to their files: closing a recorder there would wait forever on a threa
 write into the parent's live file. So in a child every inherited object is forgotten at the fork
 (``os.register_at_fork``): the child's exit and the child's SIGTERM close nothing of the parent's, and an inherited
 recorder is inert (``owned_here`` is False: its hooks record nothing, its ``close()`` does nothing).
+
+Forgetting is not enough for the files themselves: the child's copy of HDF5 still has the parent's run open, with a
+metadata cache as it was at the fork, and flushes it when the child's interpreter ends (HDF5's own exit handler,
+which Python cannot stop), over what the parent has written since: the run became unreadable ("wrong B-tree
+signature"). So every descriptor through which this process writes a run (``written_through``) is pointed at
+/dev/null in a child: whatever the child's HDF5 flushes goes nowhere, and the child holds no reference to the
+run's open file description, so its locks are the parent's alone and end when the parent closes the run.
 """
 from __future__ import annotations
 
@@ -60,6 +67,18 @@ class _Open:
 
 
 _registries: list = []  # every _Open, so that a forked child can forget what they hold
+_written_fds: set = set()  # descriptors this process writes runs through (see the module docstring)
+
+
+def written_through(fd: int) -> None:
+    """`fd` is open on a run this process writes: a forked child gets /dev/null in its place."""
+    if fd >= 0:
+        _written_fds.add(fd)
+
+
+def no_longer_written(fd: int) -> None:
+    """Call before closing `fd`: the number may be reused for something a child should keep."""
+    _written_fds.discard(fd)
 _owner_pid: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # object -> the pid that registered it
 
 
@@ -96,6 +115,25 @@ def _forget_after_fork() -> None:
     _inside_hooks = weakref.WeakSet()  # a parent thread's hook does not run here: no SIGTERM waits for it
     _pending_signal.clear()
     _install_lock = threading.Lock()  # it may have been held by a parent thread at the fork
+    _blind_written_files()
+
+
+def _blind_written_files() -> None:
+    if not _written_fds:
+        return
+    try:
+        devnull = os.open(os.devnull, os.O_RDWR)
+    except OSError:
+        return
+    try:
+        for fd in _written_fds:
+            try:
+                os.dup2(devnull, fd)  # closes the child's reference to the run, keeps the number valid for HDF5
+            except OSError:
+                pass
+    finally:
+        os.close(devnull)
+    _written_fds.clear()
 
 
 if hasattr(os, "register_at_fork"):

@@ -30,6 +30,8 @@ try:
 except ImportError:  # pragma: no cover - Windows
     fcntl = None
 
+from .. import lifetime
+
 WRITER_BYTE = 1 << 62
 COMMIT_BYTE = WRITER_BYTE + 1
 
@@ -111,6 +113,7 @@ class WriterLocks:
             os.close(self._fd)
             self._fd = -1
             raise OSError(errno.EBUSY, f"{path} is being written by another recorder")
+        lifetime.written_through(self._fd)  # a forked child must not keep the lock's file description alive
 
     def begin(self) -> None:
         """Before changing the file."""
@@ -126,6 +129,7 @@ class WriterLocks:
 
     def close(self) -> None:
         if self._fd >= 0:
+            lifetime.no_longer_written(self._fd)
             os.close(self._fd)  # releases both locks
             self._fd = -1
             self.held = False

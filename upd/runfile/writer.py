@@ -22,6 +22,7 @@ import h5py
 import numpy as np
 import torch
 
+from .. import lifetime
 from . import encoding, param_index, schema
 from .datasets import create_dataset, create_declared
 from .full_rows import ParamRows, RecordRows, ScalarRows
@@ -102,6 +103,14 @@ def _lock_before_truncating(path: str) -> WriterLocks | None:
         raise
 
 
+def _descriptor(file: h5py.File) -> int:
+    """The OS descriptor HDF5 writes the run through (-1 for a driver without one)."""
+    try:
+        return int(file.id.get_vfd_handle())
+    except Exception:
+        return -1
+
+
 class RunWriter:
     def __init__(self, path: str, meta: dict, *, overwrite: bool, storage_dtype: str, compression,
                  resume: bool = False):
@@ -151,6 +160,7 @@ class RunWriter:
             if locks is not None:
                 locks.close()
             raise
+        lifetime.written_through(_descriptor(self.file))
         if locks is None:
             self._lock_file()
         else:
@@ -167,7 +177,7 @@ class RunWriter:
         try:
             self._locks = WriterLocks(self.path)
         except OSError:
-            self.file.close()
+            self._close_file()
             raise
         self._locks.begin()
 
@@ -189,11 +199,12 @@ class RunWriter:
     def _reopen(self, meta: dict) -> None:
         """Append to an existing run: drop rows of a record that was never committed (a crash mid-step)."""
         self.file = h5py.File(self.path, "r+")
+        lifetime.written_through(_descriptor(self.file))
         self._lock_file()
         self._inode = os.stat(self.path).st_ino
         if self.file.attrs.get(schema.ATTR_FORMAT) != schema.FORMAT_NAME or \
                 self.file.attrs.get(schema.ATTR_VERSION) != schema.FORMAT_VERSION:
-            self.file.close()
+            self._close_file()
             self._locks.close()
             raise ValueError(f"{self.path}: cannot resume: not a torch-upd run of format version "
                              f"{schema.FORMAT_VERSION}")
@@ -584,11 +595,15 @@ class RunWriter:
         self.file.attrs[name] = encoding.to_json(value)
         self._flushed()
 
+    def _close_file(self) -> None:
+        lifetime.no_longer_written(_descriptor(self.file))
+        self.file.close()
+
     def abort(self) -> None:
         """Close after a failure, writing nothing more: what was committed stays readable."""
         try:
             if self.file.id.valid:
-                self.file.close()
+                self._close_file()
         except Exception:
             pass
         finally:
@@ -617,7 +632,7 @@ class RunWriter:
                     self._write_param_index()
                 finally:
                     self.file.flush()
-                    self.file.close()
+                    self._close_file()
                     self._trim()
         finally:
             self._locks.close()
