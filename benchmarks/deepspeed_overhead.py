@@ -21,11 +21,10 @@ import tempfile
 import time
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 
 import upd
-from benchmarks.distributed_overhead import TinyGPT
+from benchmarks.distributed_overhead import TinyGPT, alternating_rounds
 from tests.harness.distributed import run_job
 
 
@@ -60,21 +59,9 @@ def _worker(rank, world_size, rounds, steps, groups, folder):
             times.append(time.perf_counter() - start)
         return times
 
-    block_times()  # warm-up: first steps allocate the optimizer state
-    variants = ["plain", "stats"]
-    ratios, plain_medians = [], []
-    for r in range(rounds):
-        medians = {}
-        for variant in variants[r % 2:] + variants[:r % 2]:
-            dist.barrier()
-            if variant == "plain":
-                medians[variant] = statistics.median(block_times())
-            else:
-                path = os.path.join(folder, f"round{r}.h5")
-                with upd.record(path, engine, optimizer, every=None, stats_every=1, strict=True):
-                    medians[variant] = statistics.median(block_times())
-        ratios.append(medians["stats"] / medians["plain"])
-        plain_medians.append(medians["plain"])
+    ratios, plain_medians = alternating_rounds(
+        block_times, rounds,
+        lambda path: upd.record(path, engine, optimizer, every=None, stats_every=1, strict=True), folder)
     return {"rank": rank, "ratios": ratios, "plain_step_s": plain_medians,
             "params": sum(p.numel() for p in model.parameters())}
 

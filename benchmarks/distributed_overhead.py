@@ -81,6 +81,16 @@ def _worker(rank, world_size, rounds, steps, folder):
             times.append(time.perf_counter() - start)
         return times
 
+    ratios, plain_medians = alternating_rounds(
+        block_times, rounds, lambda path: upd.record(path, model, opt, every=None, stats_every=1, overwrite=True),
+        folder)
+    params = sum(p.numel() for p in model.parameters())
+    return {"rank": rank, "ratios": ratios, "plain_step_s": plain_medians, "params": params}
+
+
+def alternating_rounds(block_times, rounds: int, recording, folder: str) -> tuple[list, list]:
+    """(recorded over plain median step time per round, plain median step times): every rank runs a block of plain
+    steps and a block under `recording(path)` in each round, their order alternated, the ranks joined before each."""
     block_times()  # warm-up: first steps allocate the optimizer state
     variants = ["plain", "stats"]
     ratios, plain_medians = [], []
@@ -91,13 +101,11 @@ def _worker(rank, world_size, rounds, steps, folder):
             if variant == "plain":
                 medians[variant] = statistics.median(block_times())
             else:
-                path = os.path.join(folder, f"round{r}.h5")
-                with upd.record(path, model, opt, every=None, stats_every=1, overwrite=True):
+                with recording(os.path.join(folder, f"round{r}.h5")):
                     medians[variant] = statistics.median(block_times())
         ratios.append(medians["stats"] / medians["plain"])
         plain_medians.append(medians["plain"])
-    params = sum(p.numel() for p in model.parameters())
-    return {"rank": rank, "ratios": ratios, "plain_step_s": plain_medians, "params": params}
+    return ratios, plain_medians
 
 
 def main() -> None:
