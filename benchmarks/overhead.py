@@ -232,6 +232,18 @@ def gpt_workload() -> Workload:
                     f"{len(list(model.parameters()))} tensors; batch {batch} x context {ctx} random tokens; AdamW")
 
 
+def small_gpt_workload(d: int, layers: int, ctx: int, batch: int, vocab: int = 64) -> Workload:
+    """A small GPT (4 heads), where the recorder's fixed cost per tensor dominates a step of a few milliseconds."""
+    torch.manual_seed(0)
+    model = GPT(vocab=vocab, ctx=ctx, d=d, layers=layers, heads=4)
+    batches, loss_fn = token_batches(vocab, ctx, batch)
+    params = list(model.parameters())
+    n = sum(p.numel() for p in params)
+    return Workload("tiny", model, batches, loss_fn,
+                    f"GPT, {layers} blocks, d_model {d}, 4 heads, vocab {vocab}: {n / 1e3:.1f}k params in "
+                    f"{len(params)} tensors; batch {batch} x context {ctx}; AdamW")
+
+
 def mlp_workload() -> Workload:
     width, depth, batch = 2048, 4, 8
     torch.manual_seed(0)

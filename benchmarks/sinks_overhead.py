@@ -38,7 +38,7 @@ import warnings
 import torch
 
 import upd
-from benchmarks.overhead import GPT, Workload, gpt_workload, median, quartiles, table, token_batches
+from benchmarks.overhead import Workload, gpt_workload, median, quartiles, small_gpt_workload, table
 from upd.sinks.export import sink_steps
 
 LIVE_SINKS = "sinks" in inspect.signature(upd.Recorder.__init__).parameters
@@ -47,15 +47,7 @@ BATCH = 64  # steps per sink.write, as the recorder's writer thread hands them o
 
 def tiny_workload() -> Workload:
     """A 3-block GPT, width 48 (the issue's tiny model)."""
-    vocab, ctx, batch = 64, 32, 8
-    torch.manual_seed(0)
-    model = GPT(vocab=vocab, ctx=ctx, d=48, layers=3, heads=4)
-    batches, loss_fn = token_batches(vocab, ctx, batch)
-    params = list(model.parameters())
-    n = sum(p.numel() for p in params)
-    return Workload("tiny", model, batches, loss_fn,
-                    f"GPT, 3 blocks, d_model 48, 4 heads, vocab {vocab}: {n / 1e3:.1f}k params in {len(params)} "
-                    f"tensors; batch {batch} x context {ctx}; AdamW")
+    return small_gpt_workload(d=48, layers=3, ctx=32, batch=8)
 
 
 class Variant:

@@ -32,21 +32,13 @@ import warnings
 import torch
 
 import upd
-from benchmarks.overhead import (GPT, Workload, gpt_workload, median, mlp_workload, quartiles, table,
-                                 token_batches)
+from benchmarks.overhead import (Workload, gpt_workload, median, mlp_workload, quartiles, small_gpt_workload,
+                                 table)
 
 
 def tiny_workload() -> Workload:
     """A 2-block GPT, width 32: 29 parameter tensors, a step of a few milliseconds."""
-    vocab, ctx, batch = 64, 16, 4
-    torch.manual_seed(0)
-    model = GPT(vocab=vocab, ctx=ctx, d=32, layers=2, heads=4)
-    batches, loss_fn = token_batches(vocab, ctx, batch)
-    params = list(model.parameters())
-    n = sum(p.numel() for p in params)
-    return Workload("tiny", model, batches, loss_fn,
-                    f"GPT, 2 blocks, d_model 32, 4 heads, vocab {vocab}: {n / 1e3:.1f}k params in {len(params)} "
-                    f"tensors; batch {batch} x context {ctx}; AdamW")
+    return small_gpt_workload(d=32, layers=2, ctx=16, batch=4)
 
 
 class Plain:
