@@ -88,3 +88,12 @@ def test_analyze_shows_both_metrics(tmp_path):
     assert row["spectral_update_to_data"] == pytest.approx(spectral_update_to_data(before, after))
     assert row["rms_update_to_data"] == pytest.approx(math.log10(float((after - before).norm() / before.norm())))
     assert {"median_rms_update_to_data", "median_spectral_update_to_data"} <= set(result.summary.columns)
+    assert not [n for n in result.notes if n.startswith("spectral medians")]  # full records at every step
+    with upd.record(tmp_path / "sparse.h5", model, opt, every=2, stats_every=1):  # full records at steps 4 and 6
+        for _ in range(4):
+            opt.zero_grad()
+            model(torch.randn(8, 16)).pow(2).mean().backward()
+            opt.step()
+    notes = [n for n in upd.analyze(tmp_path / "sparse.h5").notes if n.startswith("spectral medians")]
+    assert notes == ["spectral medians over the 2 step(s) with full-tensor records (it needs whole matrices); the "
+                     "std and rms medians over all 4 steps"]

@@ -165,7 +165,7 @@ def analyze(run, out_dir=None, *, thresholds: Thresholds = Thresholds(), hist_st
             write_csv(summary, os.path.join(out_dir, SUMMARY_CSV))  # spreadsheet-safe cells
         return Analysis(ratios=ratios, summary=summary, plots=written, images=images, hist_steps=hist_steps,
                         notes=source_notes(ratios, full_steps, hist_steps) + sample_notes(ratios, run.options)
-                        + replica_notes + spectral_notes(too_large),
+                        + replica_notes + spectral_notes(too_large, spectral, ratios),
                         findings=findings, metrics=metrics, rules=rules)
     finally:
         if own:

@@ -59,12 +59,19 @@ def spectral_rows(run, max_records: int = MAX_SPECTRAL_RECORDS) -> tuple[pd.Data
     return pd.DataFrame(rows, columns=["optimizer", "param", "step", SPECTRAL_UPDATE_TO_DATA]), too_large
 
 
-def spectral_notes(too_large: list[str]) -> list[str]:
-    """What the reader should know about weights without a spectral ratio."""
-    if not too_large:
-        return []
-    return [f"spectral ratio not computed for {len(too_large)} weight(s) over {tensor_blocks.BLOCK_ELEMENTS} elements "
-            f"(a whole matrix in memory): {', '.join(too_large[:4])}{' ...' if len(too_large) > 4 else ''}"]
+def spectral_notes(too_large: list[str], spectral: pd.DataFrame, ratios: pd.DataFrame) -> list[str]:
+    """What the reader should know about the spectral column: the steps its medians cover (full records only, where
+    the std and RMS medians cover every step with statistics) and the weights without one."""
+    notes = []
+    spectral_steps, ratio_steps = spectral["step"].nunique(), ratios["step"].nunique() if len(ratios) else 0
+    if 0 < spectral_steps < ratio_steps:
+        notes.append(f"spectral medians over the {spectral_steps} step(s) with full-tensor records (it needs whole "
+                     f"matrices); the std and rms medians over all {ratio_steps} steps")
+    if too_large:
+        notes.append(f"spectral ratio not computed for {len(too_large)} weight(s) over {tensor_blocks.BLOCK_ELEMENTS} "
+                     f"elements (a whole matrix in memory): {', '.join(too_large[:4])}"
+                     f"{' ...' if len(too_large) > 4 else ''}")
+    return notes
 
 
 def metrics_table(ratios: pd.DataFrame, spectral: pd.DataFrame) -> pd.DataFrame:
