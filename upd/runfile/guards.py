@@ -98,6 +98,9 @@ class GuardedFile:
         self._changed = False
         self._checked: set[int] = set()
         self._attr_cache: dict[int, dict | None] = {}
+        # {(file number, object address): the name it was first reached by}: one object, one name, shared by every
+        # validate.Validator of this file (Validator.child)
+        self.object_names: dict[tuple, tuple] = {}
         self._offset_size, self._length_size = self._superblock_sizes()
 
     def _superblock_sizes(self) -> tuple[int, int]:

@@ -131,6 +131,11 @@ class Validator:
         self.holds = min(file_size, self.disk_bytes * DISK_SLACK)
         self.raw = raw  # the file as HDF5 reads it (guards.GuardedFile): raw access to what HDF5 would allocate for
         self._readonly: bool | None = None  # whether the file is open read-only (asked once, by _open)
+        # One object, one name: {(file number, object address): (parent's address, link name)} of every object child
+        # has opened, kept with the open file (guards.GuardedFile.object_names) so that every Validator of one run
+        # shares it; one entry per object, whatever link count its header states.
+        names = getattr(raw, "object_names", None)
+        self._names: dict = {} if names is None else names
 
     def fail(self, where: str, problem: str) -> RunFileError:
         return RunFileError(f"{self.path}: {where}: {problem}")
@@ -150,12 +155,20 @@ class Validator:
                 return None
             self.hard_link(link, where)
             obj = self._open(group, name)
-            names = h5py.h5o.get_info(obj.id).rc
-        if names > 1:
-            # One object, one name: each name the reader follows costs its work again (a 10 MB meta under 500
-            # names), and no writer of the format gives an object a second name.
-            raise self.fail(where, f"is one object under {names} names (hard links); a run file names each object "
+            info = h5py.h5o.get_info(obj.id)
+            parent, _, last = name.rpartition("/")  # 'state/exp_avg' is the name 'exp_avg' in the group 'state'
+            named = (h5py.h5o.get_info(group.id, parent.encode("utf-8")) if parent else h5py.h5o.get_info(group.id)
+                     ).addr, last
+            first = self._names.setdefault((info.fileno, info.addr), named)
+        # One object, one name: each name the reader follows costs its work again (a 10 MB meta under 500 names), and
+        # no writer of the format gives an object a second name. The link count in the object's header says so
+        # early; what is checked is the name each object was first reached by (the count is 4 bytes of the file).
+        if info.rc > 1:
+            raise self.fail(where, f"is one object under {info.rc} names (hard links); a run file names each object "
                                    "once")
+        if first != named:
+            raise self.fail(where, "is one object under two names (hard links): the reader already reached it by "
+                                   "another name; a run file names each object once")
         if not isinstance(obj, kind):
             found = "group" if isinstance(obj, h5py.Group) else "dataset" if isinstance(obj, h5py.Dataset) \
                 else type(obj).__name__
