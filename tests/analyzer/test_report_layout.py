@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 import upd
-from upd.analyzer import plots
+from upd.analyzer import plots, report
 from upd.analyzer.report import NO_HISTOGRAMS, param_groups_of, report_html
 
 from tests.harness.analysis_runs import record_deep
@@ -64,8 +64,16 @@ def test_statistics_only_run_draws_no_placeholder_histograms_and_says_why(tmp_pa
 def test_metadata_shows_each_param_groups_own_values(tmp_path):
     _, text = _report(_two_group_adamw(tmp_path / "groups.h5"))
     row = re.search(r"<tr><td[^>]*>weight_decay</td>(.*?)</tr>", text).group(1)
-    assert re.findall(r">([^<]*)</td>", row) == ["0.1", "0.0"]
+    assert re.findall(r">([^<]*)</td>", row) == ["0.1", "0"]
     assert "0.01" not in text.split("<h2>Run</h2>")[1]  # the constructor's default, which no group used
+
+
+def test_hyperparameters_show_as_a_person_would_write_them():
+    """A scheduled lr of 0.1 * 0.1 reads 0.01 (7 significant digits), in lists too; changed values as first -> last."""
+    table = report.group_table([{"lr": 0.1, "betas": [0.9, 0.999], "foreach": None, "amsgrad": False}],
+                               [{"lr": 0.1 * 0.1, "betas": [0.9, 0.999], "foreach": None, "amsgrad": False}])
+    assert table.set_index("hyperparameter")["group 0"].to_dict() == {
+        "lr": "0.1 \u2192 0.01", "betas": "[0.9, 0.999]", "amsgrad": "false"}
 
 
 def _layout(html_path, screenshot):

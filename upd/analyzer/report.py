@@ -183,7 +183,15 @@ FIRST_HYPERPARAMETERS = ("lr", "weight_decay", "betas", "momentum", "eps")  # th
 
 
 def _value(value) -> str:
-    return value if isinstance(value, str) else json.dumps(value, default=str)
+    """A hyperparameter as the table shows it: floats to 7 significant digits (a scheduled 0.1 * 0.1 reads 0.01, not
+    0.010000000000000002), in lists too (betas)."""
+    if isinstance(value, str):
+        return value
+    if isinstance(value, float):
+        return format(value, ".7g")
+    if isinstance(value, (list, tuple)) and any(isinstance(v, float) for v in value):
+        return "[" + ", ".join(_value(v) for v in value) + "]"
+    return json.dumps(value, default=str)
 
 
 def group_table(first: list[dict], last: list[dict]) -> pd.DataFrame:
