@@ -8,11 +8,11 @@ pytestmark = pytest.mark.slow  # each kill waits for a subprocess to train and b
 
 
 def test_sigkill_keeps_every_acknowledged_record(tmp_path):
-    # One kill at a random moment from the start, one at a random moment after a record was acknowledged, so
-    # that a kill with something to keep happens however slow the machine is. (Each kill is a process importing
-    # torch; `python -m benchmarks.kill_test` runs twenty or more.)
-    results = kill.run_kills(kills=1, seed=1, low=0.3, high=1.5, workdir=str(tmp_path))
-    results += kill.run_kills(kills=1, seed=2, low=0.0, high=0.5, workdir=str(tmp_path), after_records=1)
+    # A kill at a random moment after a record was acknowledged, so that a kill with something to keep happens
+    # however slow the machine is. (A kill before anything was acknowledged is test_kills_aimed_at_new_objects_
+    # leave_the_last_commit's first record and first statistics rows, aimed rather than left to chance. Each
+    # kill is a process importing torch; `python -m benchmarks.kill_test` runs twenty or more.)
+    results = kill.run_kills(kills=1, seed=2, low=0.0, high=0.5, workdir=str(tmp_path), after_records=1)
     for r in results:
         assert kill.ok(r), r
     assert results[-1]["acknowledged"] > 0
@@ -24,7 +24,7 @@ def test_kills_aimed_at_new_objects_leave_the_last_commit(tmp_path):
     for the first record). Before the writer linked new objects at their commit, the first three files were
     unreadable ("bad heap free list", "record indices ... not in increasing order", "len not positive after
     adjustment for EOA")."""
-    results = [kill.aimed_kill(str(tmp_path / f"{moment}.h5"), moment) for moment in kill.AIMED_MOMENTS]
+    results = kill.aimed_kills(str(tmp_path))  # one child per moment, forked from one process that imported torch
     for r in results:
         assert kill.aimed_ok(r), r
     first = results[0]
