@@ -77,7 +77,10 @@ def test_file_text_reaches_the_terminal_escaped(tmp_path):
     for command, text in outputs.items():
         for raw in RAW_CONTROLS:
             assert raw not in text, (command, raw)
-        assert "\\x1b[2J" in text and "\\x1b]0;pwned\\x07" in text, command
+        if command == "advise":  # no --wide: its table shortens the name in the middle, both ends escaped
+            assert "fc1.weight\\x1" in text and "\\u202e\\x9b31m" in text, text
+        else:
+            assert "\\x1b[2J" in text and "\\x1b]0;pwned\\x07" in text, command
         assert not any(line.startswith("FAKE LINE") for line in text.splitlines()), command
     assert "torch 2.13\\x1b[31m\\u202e" in outputs["info"]
     assert "torch.optim.Adam\\x1b]0;title\\x07" in outputs["info"]

@@ -20,7 +20,7 @@ import pandas as pd
 from ..runfile.job import Job
 from ..runfile.reader import Run
 from ..runfile.opening import open_run
-from ..safe_text import terminal_safe
+from ..safe_text import WIDE_CELL_CHARS, shorten, terminal_safe, text_table
 from .summary import is_weight, model_order_keys
 
 DEFAULT_TARGET = -3.0
@@ -102,25 +102,38 @@ class Advice:
     others: dict = field(default_factory=dict)  # {(optimizer, group): ([names not judged], their lr)}
     assumption: str = ASSUMPTION
 
-    def snippet(self, optimizer: int = 0) -> str:
+    def snippet(self, optimizer: int = 0, name_chars: int | None = None) -> str:
         """Param groups to paste into the optimizer's constructor: one group per weight with its advised lr, the
-        other parameters (biases, norm scales: not judged) with their group's advised lr."""
+        other parameters (biases, norm scales: not judged) with their group's advised lr. name_chars: names longer
+        than this are shortened (the terminal's text: a file's names may be 1 MB; any real name is shorter and
+        pastes as it is), and a first line says so."""
         rows = self.per_param[(self.per_param["optimizer"] == optimizer) & self.per_param["advised_lr"].notna()]
         groups = self.per_group[self.per_group["optimizer"] == optimizer]
         lines = ["params = dict(model.named_parameters())", "param_groups = ["]
+        shortened = []
+
+        def quoted(name: str) -> str:
+            if name_chars is not None and len(name) > name_chars:
+                shortened.append(name)
+                name = shorten(name, name_chars)
+            return json.dumps(name)
+
         for r in rows.itertuples():
-            lines.append(f'    {{"params": [params[{json.dumps(r.param)}]], "lr": {r.advised_lr:.3g}}},')
+            lines.append(f'    {{"params": [params[{quoted(r.param)}]], "lr": {r.advised_lr:.3g}}},')
         advised = {g.group: g.advised_lr for g in groups.itertuples() if math.isfinite(g.advised_lr)}
         for (opt, group), (names, lr) in sorted(self.others.items()):
             if opt != optimizer or not names:
                 continue
-            listed = ", ".join(f"params[{json.dumps(n)}]" for n in names)
+            listed = ", ".join(f"params[{quoted(n)}]" for n in names)
             why = "its weights' advice" if group in advised else "unchanged: no weight in it to measure"
             lines.append(f'    {{"params": [{listed}], "lr": {advised.get(group, lr):.3g}}},  # group {group}, not '
                          f"weights: {why}")
         lines.append("]")
         cls = self.optimizers.get(optimizer, {}).get("class", "the optimizer")
         lines.append(f"optimizer = {cls}(param_groups, ...)  # your other options as before")
+        if shortened:
+            lines.insert(0, f"# {len(shortened)} name(s) over {name_chars} characters shortened here: they match no "
+                            "parameter as shown (upd advise --json gives them whole)")
         return "\n".join(lines)
 
     def to_dict(self) -> dict:
@@ -219,9 +232,12 @@ def format_advice(advice: Advice) -> str:
             if o["proportional"] else terminal_safe(o["why"])))
     shown = advice.per_param.drop(columns=["optimizer"]) if advice.per_param["optimizer"].nunique() <= 1 \
         else advice.per_param
-    shown = shown.assign(param=shown["param"].map(terminal_safe), note=shown["note"].map(
-        lambda s: "" if not s else "see above"))
-    lines += ["", shown.to_string(index=False, float_format=lambda v: f"{v:.3g}", na_rep="-")]
+    shown = shown.assign(note=shown["note"].map(lambda s: "" if not s else "see above"))
+    # every cell terminal_safe and bounded, names shortened to fit (text_table): a row costs what any row costs,
+    # never the longest name; every column kept (advise has no --wide)
+    lines += ["", text_table(shown, formats={c: "{:.3g}".format for c in ("measured", "lr", "multiplier",
+                                                                          "advised_lr")},
+                             keep=list(shown.columns))]
     lines.append("")
     for g in advice.per_group.itertuples():
         if math.isfinite(g.multiplier):
@@ -230,7 +246,7 @@ def format_advice(advice: Advice) -> str:
     for i, o in advice.optimizers.items():
         if o["proportional"] and (advice.per_param["optimizer"] == i).any():
             lines += ["", f"param groups for optimizer {i} (paste into its constructor):",
-                      *map(terminal_safe, advice.snippet(i).splitlines())]
+                      *map(terminal_safe, advice.snippet(i, WIDE_CELL_CHARS).splitlines())]
     lines += ["", "lr: the median over the measured steps (with a schedule, scale the schedule by the multiplier)",
               "note: " + advice.assumption]
     return "\n".join(lines)
