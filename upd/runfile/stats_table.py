@@ -368,6 +368,8 @@ def in_model_order(table: pd.DataFrame, metas: dict) -> pd.DataFrame:
         ordered = model_order([{"name": name, **meta} for name, meta in by_name.items() if isinstance(meta, dict)])
         position.update({(index, entry["name"]): i for i, entry in enumerate(ordered)})
     place = [position.get(key, len(position)) for key in zip(table["optimizer"], table["param"])]
-    order = np.lexsort((table["step"].to_numpy(), table["param"].to_numpy(dtype=str), np.asarray(place),
-                        table["optimizer"].to_numpy()))
+    # names sort by their codes in sorted order (pd.factorize), never by a fixed-width '<U{longest}' copy of the
+    # column: that costs rows x the longest name x 4 bytes, and a file's names may be 1 MB
+    names = pd.factorize(table["param"], sort=True)[0]
+    order = np.lexsort((table["step"].to_numpy(), names, np.asarray(place), table["optimizer"].to_numpy()))
     return table.iloc[order].reset_index(drop=True)
