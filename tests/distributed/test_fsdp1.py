@@ -4,7 +4,8 @@ model, equal to the same training in one process; verify replays each rank's sha
 
 One job per world size (tests.harness.distributed.run_job) records both settings: a nested FSDP unit (``up``) inside
 the root unit, the small transformer-like block of the DeepSpeed tests (sizes that do not divide 2 or 3), AdamW,
-FSDP's own gradient clipping. Tolerance as there: 1e-6 absolute on the tensors, 1e-4 on the log10 ratios.
+FSDP's own gradient clipping, a live sink (``Collect``) on every rank. Tolerance as there: 1e-6 absolute on the
+tensors, 1e-4 on the log10 ratios; rank 0's sink gets the job file's own ratios within 1e-6 (log10).
 """
 from __future__ import annotations
 
@@ -18,28 +19,34 @@ import upd
 from upd.exit_codes import EXIT_MATCH
 from upd.runfile import schema
 from tests.harness.distributed import run_job
-from tests.harness.scripts.train_deepspeed import CLIP, Block, batch
+from tests.harness.scripts.train_deepspeed import CLIP, Block, Collect, batch
 
 pytestmark = pytest.mark.slow
 STEPS = 3
-ATOL, RATIO_ATOL = 1e-6, 1e-4
+ATOL, RATIO_ATOL, LIVE_ATOL = 1e-6, 1e-4, 1e-6
 
 
-def _record_fsdp1(rank: int, world: int, folder: str) -> None:
+def _record_fsdp1(rank: int, world: int, folder: str) -> dict:
+    """Records both settings; returns what the live sink got, per setting ([step, {param: {column: value}}])."""
     from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 
+    live = {}
     for use_orig in (True, False):
         model = Block()
         model.up = FSDP(model.up, use_orig_params=use_orig, device_id=torch.device("cpu"))
         fsdp = FSDP(model, use_orig_params=use_orig, device_id=torch.device("cpu"))
         optimizer = torch.optim.AdamW(fsdp.parameters(), lr=0.05, weight_decay=0.1)
-        with upd.record(os.path.join(folder, f"orig-{use_orig}.h5"), fsdp, optimizer, stats_every=1, strict=True):
+        sink = Collect()
+        with upd.record(os.path.join(folder, f"orig-{use_orig}.h5"), fsdp, optimizer, stats_every=1, strict=True,
+                        sinks=[sink]):
             for step in range(STEPS):
                 tokens, targets = batch(step, 2 * world)
                 fsdp(tokens[rank::world], targets[rank::world]).backward()
                 fsdp.clip_grad_norm_(CLIP)
                 optimizer.step()
                 optimizer.zero_grad()
+        live[use_orig] = sink.rows
+    return live
 
 
 def _reference(path: str, world: int) -> None:
@@ -58,15 +65,15 @@ def _reference(path: str, world: int) -> None:
 def job(request, tmp_path_factory):
     world = request.param
     folder = str(tmp_path_factory.mktemp(f"fsdp1-{world}"))
-    run_job(_record_fsdp1, world, folder, timeout=300)
+    live = run_job(_record_fsdp1, world, folder, timeout=300)[0]  # rank 0's sinks get the job's statistics
     reference = os.path.join(folder, "reference.h5")
     _reference(reference, world)
-    return folder, reference, world
+    return folder, reference, world, live
 
 
 @pytest.mark.parametrize("use_orig", [True, False], ids=["use_orig_params", "flat_params"])
 def test_fsdp1_records_every_parameter_whole_and_verifies(job, use_orig):
-    folder, reference, world = job
+    folder, reference, world, _ = job
     path = os.path.join(folder, f"orig-{use_orig}.h5")
     expected = [(n, tuple(p.shape)) for n, p in Block().named_parameters()]
     with upd.open_run(path) as run, upd.open_run(reference) as ref:
@@ -89,3 +96,33 @@ def test_fsdp1_records_every_parameter_whole_and_verifies(job, use_orig):
     report = upd.verify(path)
     assert report.exit_code == EXIT_MATCH and report.mismatched == 0, report.summary()
     assert set(report.checks["rank"]) == set(range(world))
+
+
+@pytest.mark.parametrize("use_orig", [True, False], ids=["use_orig_params", "flat_params"])
+def test_live_sinks_get_every_named_parameter_whole_equal_to_the_file(job, use_orig):
+    folder, _, _, live = job
+    with upd.open_run(os.path.join(folder, f"orig-{use_orig}.h5")) as run:
+        names = sorted(run.params()["param"])
+        ratios = run.ratios().set_index(["param", "step"]).sort_index()
+    assert names == sorted(n for n, _ in Block().named_parameters())
+    assert [step for step, _ in live[use_orig]] == list(range(STEPS))
+    for step, params in live[use_orig]:
+        assert sorted(params) == names, step
+        for name in names:
+            for column in ("update_to_data", "grad_to_data"):
+                assert params[name][column] == pytest.approx(ratios.loc[(name, step), column], abs=LIVE_ATOL), \
+                    (name, step, column)
+
+
+@pytest.mark.parametrize("use_orig", [True, False], ids=["use_orig_params", "flat_params"])
+def test_no_command_lists_a_recorded_parameter_as_frozen(job, use_orig):
+    from click.testing import CliRunner
+
+    from upd.cli.main import main
+
+    path = os.path.join(job[0], f"orig-{use_orig}.h5")
+    # `upd verify` prints the same metadata's frozen list: checked on a DeepSpeed job (test_deepspeed.py).
+    for command in (["info", path], ["analyze", path, "--no-plots"]):
+        result = CliRunner().invoke(main, command, catch_exceptions=False)
+        assert result.exit_code == 0, result.output
+        assert "frozen" not in result.output, (command, result.output)

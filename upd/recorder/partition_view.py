@@ -63,14 +63,18 @@ def _run(value, flat: torch.Tensor, start: int, count: int):
 
 class PartitionView(torch.optim.Optimizer):
     """The optimizer `inner`, which steps the 1-d tensors `flats`, seen as the fragments inside them. Made by
-    ``partition_view()`` as a subclass of `inner`'s class (the run records that class, and replays it)."""
+    ``partition_view()`` as a subclass of `inner`'s class (the run records that class, and replays it).
+
+    `job_names`: every model parameter whose elements the job's flat tensors hold, on any rank, in an order every
+    rank derives alike (a rank's fragments are some of them): what a job's live statistics combine, per name."""
 
     def __init__(self, inner: torch.optim.Optimizer, flats: list, groups: list[dict], fragments: list[Fragment],
-                 world_size: int, describe_step=None):
+                 world_size: int, describe_step=None, *, job_names: list[str]):
         # torch.optim.Optimizer.__init__ is not run: this object never steps; it holds what the recorder reads.
         self.inner = inner
         self.flats = list(flats)
         self.fragments = list(fragments)
+        self.job_names = list(job_names)
         self.defaults = inner.defaults
         self._real_groups = groups  # the optimizer's own param group dicts, one per fragment group index
         self._describe_step = describe_step  # () -> {hyperparameter-like facts of this step}, e.g. the loss scale
@@ -78,7 +82,9 @@ class PartitionView(torch.optim.Optimizer):
         self._optimizer_step_post_hooks = OrderedDict()
         self.views: list[torch.Tensor] = []
         for fragment in self.fragments:
-            view = torch.empty(0, dtype=self.flats[fragment.flat].dtype, device=self.flats[fragment.flat].device)
+            # requires_grad as the flat tensor's: a fragment the optimizer steps is no frozen parameter.
+            flat = self.flats[fragment.flat]
+            view = torch.empty(0, dtype=flat.dtype, device=flat.device, requires_grad=flat.requires_grad)
             setattr(view, FRAGMENT_LAYOUT, ShardLayout(
                 global_shape=list(fragment.shape), offset=[fragment.offset], placements=[schema.PART_FLAT],
                 mesh_shape=[world_size], part_layout=schema.PART_FLAT))
@@ -175,7 +181,7 @@ _VIEW_CLASSES: dict[type, type] = {}
 
 
 def partition_view(inner: torch.optim.Optimizer, flats: list, groups: list[dict], fragments: list[Fragment],
-                   world_size: int, describe_step=None) -> PartitionView:
+                   world_size: int, describe_step=None, *, job_names: list[str]) -> PartitionView:
     """A PartitionView of `inner` whose class the run records as `inner`'s (its module and name), so that
     ``upd verify`` replays the optimizer that stepped."""
     cls = type(inner)
@@ -185,4 +191,4 @@ def partition_view(inner: torch.optim.Optimizer, flats: list, groups: list[dict]
         module, _, qualname = class_path(cls).rpartition(".")
         view_class = type(cls.__name__, (PartitionView, cls), {"__module__": module, "__qualname__": qualname})
         _VIEW_CLASSES[cls] = view_class
-    return view_class(inner, flats, groups, fragments, world_size, describe_step)
+    return view_class(inner, flats, groups, fragments, world_size, describe_step, job_names=job_names)

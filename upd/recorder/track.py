@@ -26,6 +26,7 @@ from .grad_scaling import GradScaling
 from .job_scalars import Slot
 from .logged_scalars import HOST_BATCH_STEPS, scalar_problem, to_host
 from .naming import ParamNames, is_selected
+from .partition_view import PartitionView
 from .sampled_stats import SampledPool, SampledStep
 from .snapshots import (cpu_copy, dtensor_class, hparams_snapshot, local_part, refuse_unlike_param,
                         shard_layout, state_snapshot)
@@ -471,12 +472,16 @@ class OptimizerTrack:
     # -- a split job's live statistics --------------------------------------------------------------------------
     def slots(self) -> list[Slot]:
         """Every selected parameter of the job's optimizer, in its order: the same on every rank (a ZeRO rank's
-        local optimizer holds its partition only; the job's holds them all, in the order the user built it)."""
+        local optimizer holds its partition only; the job's holds them all, in the order the user built it). Where
+        the local optimizer is a PartitionView (DeepSpeed ZeRO, FSDP1's flat parameters), the job's are the named
+        parameters inside every rank's flat partitions (``job_names``): the names its fragments are recorded under,
+        never names given here to the job optimizer's own tensors (flat, or named after the fragments took theirs)."""
         optimizer = self.job_optimizer
         layout = layout_of(optimizer)
         if self._job_slots is None or self._job_slots[0] != layout:
-            recorded = [self.names.name(p, g, i, group) for g, group in enumerate(optimizer.param_groups)
-                        for i, p in enumerate(group["params"])]
+            recorded = (list(self.optimizer.job_names) if isinstance(self.optimizer, PartitionView) else
+                        [self.names.name(p, g, i, group) for g, group in enumerate(optimizer.param_groups)
+                         for i, p in enumerate(group["params"])])
             self._job_slots = (layout, [Slot(name, name) for name in recorded
                                         if is_selected(name, self.settings.include, self.settings.exclude)])
         return self._job_slots[1]

@@ -2,7 +2,8 @@
 on 2 ranks by tests/distributed/test_deepspeed.py. ``train_deepspeed.py OUT CONFIG...``: each CONFIG is
 ``<stage>-<optimizer>`` (``2-adamw``, ``1-sgd``; ``2-offload``: AdamW with the optimizer offloaded to the CPU,
 which torch-upd refuses) and its job records to OUT/<config>.h5 (rank files); rank 0 writes the model's names and
-shapes to OUT/<config>.names.json and what the recorder warned to OUT/<config>.warnings.json. CONFIG ``hf``: the
+shapes to OUT/<config>.names.json, every warning upd.record gave (the category's name and the message) to
+OUT/<config>.warnings.json and what its live sink got (``Collect``) to OUT/<config>.sink.json. CONFIG ``hf``: the
 Hugging Face Trainer with a DeepSpeed config and UpdCallback (``run_trainer``).
 
 The model is a small transformer-like block whose parameter sizes do not divide 2 (every partition boundary falls
@@ -71,6 +72,20 @@ def reference(name: str, path: str, **record_options) -> None:
             optimizer.zero_grad()
 
 
+class Collect:
+    """A live sink that keeps what it is handed: [step, {param: {column: value}}] per statistics step."""
+
+    def __init__(self):
+        self.rows = []
+
+    def write(self, steps):
+        self.rows.extend([s.step, {name: dict(values) for name, values in s.params.items()}]
+                         for s in steps if s.params)
+
+    def close(self):
+        pass
+
+
 def run(out: str, config: str, rank: int, world: int) -> None:
     import deepspeed
 
@@ -91,22 +106,26 @@ def run(out: str, config: str, rank: int, world: int) -> None:
             json.dump([[n, list(p.ds_shape if hasattr(p, "ds_shape") else p.shape)]
                        for n, p in engine.module.named_parameters()], f)
     with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always", upd.RecorderWarning)
+        warnings.simplefilter("always")
         # The engine as the model and the ZeRO optimizer deepspeed.initialize returned, as users write it; under
         # ZeRO-1 the model and the client optimizer they built instead (what `upd record` sees step); under ZeRO-3
         # no model (names from the engine found through its optimizer, as `upd record` finds them).
         given = {"1": (model, optimizer), "3": (None, zero)}.get(stage, (engine, zero))
+        sink = Collect()
         rec = upd.record(os.path.join(out, f"{config}.h5"), *given, stats_every=1,
-                         ranks="all" if name == "sgd" else None)
+                         ranks="all" if name == "sgd" else None, sinks=[sink])
     if rank == 0:
         with open(os.path.join(out, f"{config}.warnings.json"), "w") as f:
-            json.dump([str(w.message) for w in caught if issubclass(w.category, upd.RecorderWarning)], f)
+            json.dump([[w.category.__name__, str(w.message)] for w in caught], f)
     with rec:
         for step in range(STEPS):
             tokens, targets = batch(step)
             loss = engine(tokens[rank::world], targets[rank::world])
             engine.backward(loss)
             engine.step()
+    if rank == 0:  # rank 0's sinks get the job's whole parameters
+        with open(os.path.join(out, f"{config}.sink.json"), "w") as f:
+            json.dump(sink.rows, f)
 
 
 def run_trainer(out: str, rank: int) -> None:

@@ -96,7 +96,7 @@ def _view_stage12(zero, model) -> PartitionView:
                                       offset=int(lp.start), shape=tuple(p.shape)))
     groups = list(zero.optimizer.param_groups)
     return partition_view(zero.optimizer, zero.single_partition_of_fp32_groups, groups, fragments,
-                          _world(zero), lambda: _step_facts(zero))
+                          _world(zero), lambda: _step_facts(zero), job_names=list(names.values()))
 
 
 def _view_stage3(zero, model) -> PartitionView:
@@ -118,7 +118,7 @@ def _view_stage3(zero, model) -> PartitionView:
                                           start=start, count=count, offset=first, shape=tuple(p.ds_shape)))
             start += part
     return partition_view(zero.optimizer, zero.fp32_partitioned_groups_flat, groups, fragments, _world(zero),
-                          lambda: _step_facts(zero))
+                          lambda: _step_facts(zero), job_names=list(names.values()))
 
 
 def _world(zero) -> int:
@@ -138,13 +138,26 @@ def _step_facts(zero) -> dict:
             "deepspeed_gradient_clipping": _number(attribute(zero, "clip_grad"))}
 
 
+def _holder_of(optimizer, classes):
+    """The live instance of `classes` whose ``optimizer`` is `optimizer`, or None: found among every object the
+    garbage collector tracks. Looking at them all touches deprecated module attributes (torch.distributed's
+    ``reduce_op`` warns a FutureWarning), so the scan runs with warnings off; a weak proxy whose object is gone
+    (isinstance looks up its class) is skipped."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for obj in gc.get_objects():
+            try:
+                if isinstance(obj, classes) and attribute(obj, "optimizer") is optimizer:
+                    return obj
+            except ReferenceError:
+                continue
+    return None
+
+
 def _engine_of(zero):
     """The live DeepSpeed engine whose optimizer is `zero`, or None."""
     engine = engine_class()
-    if engine is None:
-        return None
-    return next((obj for obj in gc.get_objects() if isinstance(obj, engine) and attribute(obj, "optimizer") is zero),
-                None)
+    return None if engine is None else _holder_of(zero, engine)
 
 
 @register
@@ -166,15 +179,7 @@ class DeepSpeed(Wrapper):
         classes = zero_classes()
         if not classes or not isinstance(optimizer, torch.optim.Optimizer) or isinstance(optimizer, PartitionView):
             return None
-        with warnings.catch_warnings():  # looking at every live object touches deprecated module attributes
-            warnings.simplefilter("ignore")
-            for obj in gc.get_objects():
-                try:
-                    if isinstance(obj, classes) and attribute(obj, "optimizer") is optimizer:
-                        return obj
-                except ReferenceError:  # a weak proxy whose object is gone (isinstance looks up its class)
-                    continue
-        return None
+        return _holder_of(optimizer, classes)
 
     def local_optimizer(self, optimizer, model):
         if not is_zero(optimizer):

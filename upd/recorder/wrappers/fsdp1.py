@@ -109,15 +109,16 @@ class FSDP1(Wrapper):
                         global_shape=list(shape), offset=[start], placements=[schema.PART_FLAT],
                         mesh_shape=[world], part_layout=schema.PART_FLAT))
             return None
-        flats, fragments = [], []
+        flats, fragments, job_names = [], [], []
         group_of = {id(p): g for g, group in enumerate(optimizer.param_groups) for p in group["params"]}
         for flat, params in units:
             if id(flat) not in held:
                 continue
             flats.append(flat)
             for name, j, info, shape in params:
+                job_names.append(name)  # the job's parameter, whichever ranks hold its elements
                 if info.in_shard and info.numel_in_shard:
                     fragments.append(Fragment(name=name, group=group_of[id(flat)], flat=len(flats) - 1,
                                               start=int(info.offset_in_shard), count=int(info.numel_in_shard),
                                               offset=int(info.intra_param_start_idx), shape=shape))
-        return partition_view(optimizer, flats, list(optimizer.param_groups), fragments, world)
+        return partition_view(optimizer, flats, list(optimizer.param_groups), fragments, world, job_names=job_names)
