@@ -76,3 +76,18 @@ def test_no_output_replaces_an_input(tmp_path):
     _one_line_refusal(CliRunner().invoke(main, ["analyze", str(summary_named), "--no-plots", "--out",
                                                 str(summary_named.parent)]), "input file")
     assert _digest(run) == before == _digest(summary_named)
+
+
+def test_no_figure_replaces_an_input(tmp_path):
+    """The figures too: a run copied to out/update_to_data.png and analyzed with --out out was replaced by the
+    figure (only --csv, --html and summary.csv were checked); compare's figures likewise."""
+    run, _ = _run_and_elsewhere(tmp_path)
+    out = tmp_path / "out"
+    out.mkdir()
+    for command, name in ((["analyze"], "update_to_data.png"), (["compare", run], "compare_grad_to_data.png")):
+        named = out / name
+        shutil.copy(run, named)
+        before = _digest(named)
+        _one_line_refusal(CliRunner().invoke(main, [command[0], str(named), *command[1:], "--out", str(out)]),
+                          "input file")
+        assert _digest(named) == before, command

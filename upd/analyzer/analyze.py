@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 
 import pandas as pd
 
-from ..outputs import make_output_dir, open_output, write_csv
+from ..outputs import input_files, make_output_dir, open_output, refuse_inputs, write_csv
 from ..runfile.job import Job
 from ..runfile.reader import Run
 from ..runfile.opening import open_run
@@ -157,6 +157,8 @@ def analyze(run, out_dir=None, *, thresholds: Thresholds = Thresholds(), hist_st
         written = []
         if out_dir is not None:
             make_output_dir(out_dir)
+            # no output replaces an input: every name written here, checked before the first is written
+            refuse_inputs([os.path.join(out_dir, name) for name in [*images, SUMMARY_CSV]], input_files([run.path]))
             for name, png in images.items():
                 path = os.path.join(out_dir, name)
                 with open_output(path) as f:  # never through a link planted under that name

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 
 import pandas as pd
 
-from ..outputs import make_output_dir, open_output, write_csv
+from ..outputs import input_files, make_output_dir, open_output, refuse_inputs, write_csv
 from ..runfile.job import Job
 from ..runfile.reader import Run
 from ..runfile.opening import open_run
@@ -142,6 +142,9 @@ def compare(runs, labels: list[str] | None = None, *, out_dir=None, plots: bool 
             comparison.images[figure_name(column)] = png_bytes(fig)
     if out_dir is not None:
         make_output_dir(out_dir)
+        # no output replaces an input: every name written here, checked before the first is written
+        refuse_inputs([os.path.join(out_dir, name) for name in [*comparison.images, TABLE_CSV]],
+                      input_files([r.path if isinstance(r, (Run, Job)) else r for r in runs]))
         for name, png in comparison.images.items():
             path = os.path.join(out_dir, name)
             with open_output(path) as f:  # never through a link planted under that name
