@@ -45,7 +45,7 @@ CHILD = textwrap.dedent("""
     opt = torch.optim.Adam(model.parameters(), lr=1e-3)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        with upd.record(sys.argv[1], model, opt) as rec:
+        with upd.record(sys.argv[1], model, opt, every=1) as rec:  # full tensors every step: ~100 KB each
             for step in range(60):
                 model(torch.randn(16, 64)).pow(2).mean().backward()
                 opt.step(); opt.zero_grad()
@@ -54,14 +54,24 @@ CHILD = textwrap.dedent("""
 """)
 
 
+def program(path: str, limit: int, mode: str) -> tuple:
+    """(code, args) of the child for one trial: `python -c CODE ARGS...`."""
+    return CHILD, [path, str(limit), "".join(DISABLE[d] for d in MODES[mode])]
+
+
 def trial(path: str, limit: int, mode: str) -> dict:
+    code, args = program(path, limit, mode)
+    proc = subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True, timeout=300)
+    return read_trial(path, limit, mode, proc)
+
+
+def read_trial(path: str, limit: int, mode: str, proc) -> dict:
+    """The trial's result from its finished child `proc` (returncode, stdout) and the run it left at `path`;
+    "disk_error": the recorder met the limit (one warning, its error an OSError) rather than finishing under it."""
     import upd
 
-    code = "".join(DISABLE[d] for d in MODES[mode])
-    proc = subprocess.run([sys.executable, "-c", CHILD, path, str(limit), code], capture_output=True, text=True,
-                          timeout=300)
     result = {"mode": mode, "limit": limit, "exit": proc.returncode, "finished": "steps 60" in proc.stdout,
-              "records": None, "verify": None, "error": None}
+              "disk_error": "warnings 1 error OSError" in proc.stdout, "records": None, "verify": None, "error": None}
     try:
         with upd.open_run(path) as run:
             result["records"] = run.optimizers[0].num_records
