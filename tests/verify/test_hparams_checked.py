@@ -21,7 +21,7 @@ STEP_COUNTER = schema.PARAMETER.at(schema.STATE_GROUP, k=0, name="fc1.weight") +
 HANG_SECONDS = 120  # a regression to the unbounded power kills the run with a stack dump instead of hanging CI
 
 
-def crafted(tmp_path, *, betas=None, lr=None, step_counter=None, raw_lr=None):
+def crafted(tmp_path, *, betas=None, lr=None, step_counter=None, raw_lr=None, **fields):
     path = str(tmp_path / "run.h5")
     shutil.copy(f"{SAMPLE_DIR}/adam.h5", path)
     with h5py.File(path, "r+") as f:
@@ -33,6 +33,7 @@ def crafted(tmp_path, *, betas=None, lr=None, step_counter=None, raw_lr=None):
                     group["betas"] = betas
                 if lr is not None:
                     group["lr"] = lr
+                group.update(fields)
             text = json.dumps(groups)
             if raw_lr is not None:  # a number json.dumps cannot write (1e400)
                 text = text.replace('"lr": 0.001', f'"lr": {raw_lr}')
@@ -63,6 +64,10 @@ CASES = [
     ("lr = 10**4000", dict(lr=10 ** 4000), "lr"),
     ("lr = 1e400 (infinite)", dict(raw_lr="1e400"), "lr"),
     ("a boolean beta", dict(betas=[True, 0.999]), "betas[0]"),
+    # numbers of the right kind in a range torch refuses (before: exit 1, a MISMATCH blamed on the run)
+    ("a negative lr", dict(lr=-1.0), "lr"),
+    ("a negative eps", dict(eps=-1e-8), "eps"),
+    ("a negative weight_decay", dict(weight_decay=-0.1), "weight_decay"),
 ]
 
 
@@ -92,6 +97,13 @@ def test_values_are_converted_as_torch_takes_them():
         hparams.checked_group({"maximize": "false"})  # bool("false") would be True
     with pytest.raises(hparams.BadHyperparameter, match="ns_steps"):
         hparams.checked_group({"ns_steps": 10 ** 9})
+    for bad, field in (({"momentum": -0.9}, "momentum"), ({"rho": 1.5}, "rho"), ({"d": 0.5}, "d"),
+                       ({"beta2_decay": 0.8}, "beta2_decay"), ({"eps": [None, -1e-3]}, "eps[1]"),
+                       ({"lr_decay": -1}, "lr_decay"), ({"etas": [0.5, 0.9]}, "etas")):
+        with pytest.raises(hparams.BadHyperparameter, match=rf"^{field.replace('[', '.')} .*torch refuses"):
+            hparams.checked_group(bad)  # outside the range torch's constructors accept (hparams.RANGES)
+    assert hparams.checked_group({"lr": 0, "momentum": 0, "rho": 1, "d": 1, "beta2_decay": -0.8}) == \
+        {"lr": 0.0, "momentum": 0.0, "rho": 1.0, "d": 1.0, "beta2_decay": -0.8}  # the bounds themselves pass
     hparams.check_step_counters([0, 3, 19], 19)
     for bad in ([20], [-1], [float("nan")], [1.5]):
         with pytest.raises(hparams.BadHyperparameter):

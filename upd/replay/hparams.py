@@ -69,20 +69,58 @@ def _ns_steps(field: str, value) -> int:
     return int(value)
 
 
+def _etas(field: str, value) -> tuple:
+    etas = _reals(field, value, 2)
+    if not 0.0 < etas[0] < 1.0 < etas[1]:  # torch's own check (Rprop)
+        raise BadHyperparameter(field, f"is {list(etas)}, not 0 < etaminus < 1 < etaplus (torch refuses it)")
+    return etas
+
+
+# The ranges torch's constructors accept, per field (inclusive bounds, None: unbounded), as they check them (torch
+# 2.x): a number outside is refused by torch, so it is the file's fault, never a mismatch. A field is listed only
+# where every optimizer that has it refuses the same values (RMSprop's alpha >= 0 is not ASGD's alpha: not listed).
+# betas ([0, 1)) and etas are checked by _betas and _etas.
+RANGES = {
+    "lr": (0.0, None),  # every optimizer
+    "eps": (0.0, None),  # each of Adafactor's pair too
+    "weight_decay": (0.0, None),
+    "momentum": (0.0, None),  # SGD, RMSprop, Muon
+    "lr_decay": (0.0, None),  # Adagrad
+    "initial_accumulator_value": (0.0, None),  # Adagrad
+    "momentum_decay": (0.0, None),  # NAdam
+    "rho": (0.0, 1.0),  # Adadelta
+    "d": (1.0, None),  # Adafactor's clipping threshold
+    "beta2_decay": (None, 0.0),  # Adafactor
+}
+
+
+def _in_range(field: str, value):
+    """`value` (a number, or a tuple of numbers and None) within RANGES[field]; BadHyperparameter naming it if not."""
+    low, high = RANGES[field]
+    for i, number in enumerate(value) if isinstance(value, tuple) else ((None, value),):
+        if number is not None and ((low is not None and number < low) or (high is not None and number > high)):
+            allowed = (f"[{low:g}, {high:g}]" if low is not None and high is not None else
+                       f"at least {low:g}" if low is not None else f"at most {high:g}")
+            raise BadHyperparameter(field if i is None else f"{field}[{i}]",
+                                    f"is {number:g}, outside {allowed} (torch refuses it)")
+    return value
+
+
 REAL_FIELDS = ("lr", "weight_decay", "momentum", "dampening", "alpha", "lambd", "t0", "rho", "lr_decay",
                "initial_accumulator_value", "momentum_decay", "beta2_decay", "d")
 FLAG_FIELDS = ("maximize", "amsgrad", "nesterov", "capturable", "differentiable", "foreach", "fused", "centered",
                "decoupled_weight_decay")
 CHECKS = {**{name: _real for name in REAL_FIELDS}, **{name: _flag for name in FLAG_FIELDS},
           "betas": _betas, "eps": _eps, "ns_steps": _ns_steps,
-          "etas": lambda field, value: _reals(field, value, 2),
+          "etas": _etas,
           "step_sizes": lambda field, value: _reals(field, value, 2),
           "ns_coefficients": lambda field, value: _reals(field, value, 3)}
 
 
 def checked_group(group: dict) -> dict:
     """A decoded param group with every hyperparameter a rule reads checked and converted as torch takes it."""
-    return {key: CHECKS[key](key, value) if key in CHECKS else value for key, value in group.items()}
+    checked = {key: CHECKS[key](key, value) if key in CHECKS else value for key, value in group.items()}
+    return {key: _in_range(key, value) if key in RANGES else value for key, value in checked.items()}
 
 
 def check_step_counters(values, most: int) -> None:
