@@ -12,6 +12,8 @@ same records.
 """
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 
 
@@ -73,3 +75,18 @@ def continued_step(writer, path: str, index: int, optimizer: torch.optim.Optimiz
                          + ". Record to a new file instead.")
     last = None if has_step_counter(optimizer) else writer.last_step(index)
     return None if last is None else last + 1
+
+
+def continue_tracks(writer, path: str, tracks: list, metas: list, warn: Callable[[str], None]) -> None:
+    """Continue the run `writer` resumes with `tracks` (``OptimizerTrack``s and their metadata, in the run's order):
+    each track's next step number (``continued_step``; ValueError when an optimizer cannot be appended), and the run
+    truncated back to it, with one warning through `warn`, where the checkpoint is older than the last recorded
+    step."""
+    for track, meta in zip(tracks, metas):
+        step = continued_step(writer, path, track.index, track.optimizer, meta)
+        track.steps_done = track.steps_done if step is None else max(track.steps_done, step)
+        # A checkpoint older than the run's last step: the steps after it were trained again.
+        dropped = writer.truncate_from(track.index, track.steps_done)
+        text = truncation_text(path, track.index, track.steps_done, dropped)
+        if text:
+            warn(text)
