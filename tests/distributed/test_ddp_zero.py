@@ -156,6 +156,8 @@ def test_ddp_ranks_all_records_every_replica_and_they_agree(job):
         assert replica_checks(job.ranks) == []
         report = upd.verify(job)
     assert report.exit_code == EXIT_MATCH, report.summary()
+    assert (f"distributed job of 2 processes (ddp): each rank's file replayed on its own: {len(NAMES)} replicated "
+            "on several ranks checked on each, replicas compared") in report.summary()
     assert report.matched == 2 * len(NAMES) * STEPS  # every replica replayed, and they agree
 
 
@@ -231,6 +233,9 @@ def test_zero_each_rank_records_its_partition(job):
             name: [rank for rank in (0, 1) if name in results[rank]["zero"]] for name in NAMES}
         report = upd.verify(job)
     assert report.exit_code == EXIT_MATCH, report.summary()
+    # partitions, not replicas: the summary says how the job holds its parameters
+    assert (f"distributed job of 2 processes (zero): each rank's file replayed on its own: {len(NAMES)} held whole by "
+            "one rank checked there; no replicas to compare") in report.summary(), report.summary()
     assert report.matched == len(NAMES) * STEPS
 
 

@@ -116,6 +116,9 @@ class VerifyReport:
     params_not_optimized: list = field(default_factory=list)  # model parameters no recorded optimizer holds
     live: bool = False  # the run was being written: these are the records committed when it was opened
     world_size: int | None = None  # a distributed job's: its checks have a rank column
+    parallelism: str | None = None  # a distributed job's, as its files say (runfile.schema.PARALLELISMS)
+    # a distributed job's parameters by how they are held: {"sharded" | "whole on one rank" | "replicated": count}
+    held: dict = field(default_factory=dict)
 
     @property
     def matched(self) -> int:
@@ -188,8 +191,8 @@ class VerifyReport:
                          "the update (reduced-precision storage, or updates below the storage's precision): a "
                          "missing or doubled update would have passed too, so they verify nothing")
         if self.world_size is not None:
-            lines.append(f"  distributed job of {self.world_size} processes: each rank's file replayed on its own "
-                         "(shard by shard), replicas compared")
+            lines.append(f"  distributed job of {self.world_size} processes"
+                         + (f" ({self.parallelism})" if self.parallelism else "") + ": " + _held_text(self.held))
         if self.live:
             lines.append("  the run is being written: checked the records committed when it was opened")
         lines += [f"  {p}" for p in self.problems]
@@ -207,6 +210,29 @@ class VerifyReport:
             skipped = self.checks[self.checks["status"] == "skipped"]["note"].drop_duplicates().head(3)
             lines += [f"  skipped: {n}" for n in skipped]
         return "\n".join(lines)
+
+
+def _held(job) -> dict:
+    """How a job's parameters are held: {"sharded" | "whole on one rank" | "replicated": how many}."""
+    held: dict = {}
+    table = job.params()
+    for layout, ranks in zip(table["layout"], table["ranks"]):
+        kind = "sharded" if layout == "sharded" else "replicated" if len(ranks) > 1 else "whole on one rank"
+        held[kind] = held.get(kind, 0) + 1
+    return held
+
+
+def _held_text(held: dict) -> str:
+    """What verify did with a job's parameters, by how they are held (the summary's line about the job)."""
+    parts = []
+    if held.get("sharded"):
+        parts.append(f"{held['sharded']} sharded parameter(s) checked part by part on the ranks holding them")
+    if held.get("whole on one rank"):
+        parts.append(f"{held['whole on one rank']} held whole by one rank checked there")
+    if held.get("replicated"):
+        parts.append(f"{held['replicated']} replicated on several ranks checked on each, replicas compared")
+    return ("each rank's file replayed on its own: " + "; ".join(parts or ["no parameter"])
+            + ("" if held.get("replicated") else "; no replicas to compare"))
 
 
 def verify(run, *, rtol: float | None = None, ulps: float | None = None, jobs: int = 1,
@@ -270,7 +296,9 @@ def verify(run, *, rtol: float | None = None, ulps: float | None = None, jobs: i
                              columns=columns)
         return VerifyReport(path=os.fspath(run.path), checks=table, problems=problems, precision_notes=notes,
                             params_not_optimized=list(run.params_not_optimized), live=run.live,
-                            world_size=job.world_size if job is not None else None)
+                            world_size=job.world_size if job is not None else None,
+                            parallelism=job.parallelism if job is not None else None,
+                            held=_held(job) if job is not None else {})
     finally:
         if own:
             run.close()
