@@ -131,3 +131,20 @@ def test_lbfgs_run_gets_no_multiplier(tmp_path):
     advice = advise(tmp_path / "lbfgs.h5")
     assert advice.per_param["multiplier"].isna().all() and advice.per_param["note"].str.contains("line search").all()
     assert "line search" in CliRunner().invoke(main, ["advise", str(tmp_path / "lbfgs.h5")]).output
+
+
+def test_a_run_with_no_weight_says_so_in_one_line(tmp_path):
+    """A run whose parameters are all vectors (a norm layer alone, ndim < 2): nothing to advise, said in one line,
+    never a raw empty table."""
+    net = nn.LayerNorm(8)
+    opt = torch.optim.AdamW(net.parameters(), lr=1e-2)
+    with upd.record(tmp_path / "vectors.h5", net, opt, every=None, stats_every=1):
+        for _ in range(3):
+            net(torch.randn(4, 8)).pow(2).mean().backward()
+            opt.step()
+            opt.zero_grad()
+    result = CliRunner().invoke(main, ["advise", str(tmp_path / "vectors.h5")])
+    assert result.exit_code == 0, result.output
+    assert "DataFrame" not in result.output and "Columns" not in result.output, result.output
+    assert result.output.strip().splitlines() == [
+        "no weight (ndim >= 2) in the run: nothing to advise (biases and norm scales are not judged)"]

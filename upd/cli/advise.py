@@ -35,4 +35,7 @@ def advise(run, target, steps_text, as_json):
     if as_json:
         click.echo(json.dumps(result.to_dict(), indent=2))  # JSON escapes control characters itself
         return
+    if result.steps is not None and result.per_param.empty:  # every parameter a vector: no table to show
+        click.echo("no weight (ndim >= 2) in the run: nothing to advise (biases and norm scales are not judged)")
+        return
     click.echo(format_advice(result))
