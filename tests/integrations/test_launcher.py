@@ -7,6 +7,7 @@ shows, elsewhere), and the names it holds are the model's own; the plain script'
 compared with the recorded one's.
 """
 import contextlib
+import importlib.util
 import io
 import os
 import re
@@ -200,6 +201,48 @@ def test_torchrun_ddp_job_records_one_file_per_rank(tmp_path):
     checked = verify_cli(tmp_path / "ddp.h5")
     assert checked.exit_code == 0, checked.output
     assert "replicas compared" in checked.output
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(importlib.util.find_spec("deepspeed") is None, reason="deepspeed not installed")
+def test_one_process_deepspeed_records_both_param_groups_with_the_models_shapes(tmp_path):
+    """`torchrun --nproc_per_node 1` of a DeepSpeed ZeRO-2 script with two param groups (the one-GPU fine-tune): the
+    launcher attaches at the first step, inside DeepSpeed's step of one group (ZeRO-1/2 show their optimizer one
+    group at a time), and still records both groups, every parameter with the model's name and shape, equal to the
+    same training in plain torch (tests/distributed/test_deepspeed.py's reference and tolerance), without warning;
+    `upd analyze` judges its weights."""
+    sys.path.insert(0, os.path.dirname(script("train_deepspeed.py")))
+    import train_deepspeed as ds_job
+
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "1",
+               script("train_deepspeed_plain.py")]
+    result = upd_record(["ds.h5", "--every", "1", "--stats-every", "1"], command, tmp_path,
+                        env=dict(os.environ, DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1"))
+    assert result.returncode == 0, result.stderr[-4000:]
+    assert "RecorderWarning" not in result.stderr, result.stderr[-4000:]
+    reference = str(tmp_path / "reference.h5")
+    ds_job.reference("adamw", reference, every=1, stats_every=1)
+    expected = [(n, tuple(p.shape)) for n, p in ds_job.Block().named_parameters()]
+    with upd.open_run(str(tmp_path / "ds.h5")) as run, upd.open_run(reference) as ref:
+        table = run.params()
+        assert sorted(zip(table["param"], table["shape"])) == sorted(expected)
+        opt, ref_opt = run.optimizers[0], ref.optimizers[0]
+        assert opt.num_param_groups == 2 and opt.num_records == ds_job.STEPS
+        for name, _ in expected:
+            assert opt.param_records[name].param_group == ref_opt.param_records[name].param_group, name
+            for kind in (schema.KIND_PARAM, schema.KIND_GRAD, schema.KIND_PARAM_AFTER):
+                torch.testing.assert_close(opt.param_records[name].read(kind), ref_opt.param_records[name].read(kind),
+                                           atol=1e-6, rtol=0, msg=f"{name} {kind}")
+        assert [g["weight_decay"] for g in opt.hparams(0)][:2] == [0.1, 0.0]
+    analyzed = CliRunner().invoke(main, ["analyze", str(tmp_path / "ds.h5"), "--no-plots"])
+    assert analyzed.exit_code == 0, analyzed.output
+    assert "nothing to judge" not in analyzed.output, analyzed.output
+    rows = {}  # each parameter's row of the table: its first line that starts with its name
+    for line in analyzed.output.splitlines():
+        rows.setdefault(line.split()[0] if line.split() else "", line)
+    for name, shape in expected:  # the weights are judged, the rest are not weights
+        assert ("not a weight" in rows[name]) == (len(shape) < 2), rows[name]
+    assert verify_cli(tmp_path / "ds.h5").exit_code == 0
 
 
 @pytest.mark.slow

@@ -18,6 +18,7 @@ tensors again. A step of a single call (one group, FSDP1) copies nothing.
 """
 from __future__ import annotations
 
+import math
 from collections import OrderedDict
 from dataclasses import dataclass
 
@@ -48,16 +49,28 @@ def fragment_layout(tensor) -> ShardLayout | None:
     return getattr(tensor, FRAGMENT_LAYOUT, None)
 
 
-def _point(view: torch.Tensor, flat: torch.Tensor, start: int, count: int) -> None:
-    """Make `view` alias flat[start:start + count] (same tensor object: the recorder knows parameters by id)."""
+def _point(view: torch.Tensor, flat: torch.Tensor, start: int, count: int, shape: tuple | None = None) -> None:
+    """Make `view` alias flat[start:start + count] (same tensor object: the recorder knows parameters by id), in
+    `shape` where given (a whole parameter)."""
     with torch.no_grad():
-        view.set_(flat.untyped_storage(), flat.storage_offset() + start, (count,), (1,))
+        size = (count,) if shape is None else tuple(shape)
+        view.set_(flat.untyped_storage(), flat.storage_offset() + start, size, _contiguous_strides(size))
 
 
-def _run(value, flat: torch.Tensor, start: int, count: int):
-    """A state or gradient tensor shaped like the flat tensor, narrowed to one run; anything else as it is."""
+def _contiguous_strides(shape: tuple) -> tuple:
+    strides, size = [], 1
+    for dim in reversed(shape):
+        strides.insert(0, size)
+        size *= dim
+    return tuple(strides)
+
+
+def _run(value, flat: torch.Tensor, start: int, count: int, shape: tuple | None = None):
+    """A state or gradient tensor shaped like the flat tensor, narrowed to one run (in `shape` where given);
+    anything else as it is."""
     if isinstance(value, torch.Tensor) and value.shape == flat.shape:
-        return value.detach().narrow(0, start, count)
+        run = value.detach().narrow(0, start, count)
+        return run if shape is None else run.view(shape)
     return value
 
 
@@ -81,14 +94,20 @@ class PartitionView(torch.optim.Optimizer):
         self._optimizer_step_pre_hooks = OrderedDict()  # never run: hooks go to `inner` (register_step_*_hook)
         self._optimizer_step_post_hooks = OrderedDict()
         self.views: list[torch.Tensor] = []
-        for fragment in self.fragments:
+        # One process holds every parameter whole: its fragments are shown in the parameters' shapes, as whole
+        # tensors (no layout); a part of a parameter is a 1-d run, tagged with its layout.
+        self._shapes = [tuple(f.shape) if world_size == 1 and f.offset == 0 and f.count == math.prod(f.shape)
+                        else None for f in self.fragments]
+        for fragment, shape in zip(self.fragments, self._shapes):
             # requires_grad as the flat tensor's: a fragment the optimizer steps is no frozen parameter.
             flat = self.flats[fragment.flat]
             view = torch.empty(0, dtype=flat.dtype, device=flat.device, requires_grad=flat.requires_grad)
+            self.views.append(view)
+            if shape is not None:
+                continue
             setattr(view, FRAGMENT_LAYOUT, ShardLayout(
                 global_shape=list(fragment.shape), offset=[fragment.offset], placements=[schema.PART_FLAT],
                 mesh_shape=[world_size], part_layout=schema.PART_FLAT))
-            self.views.append(view)
         self.param_groups = [{"params": [v for v, f in zip(self.views, self.fragments) if f.group == g]}
                              for g in range(len(groups))]
         self.state: dict = {}
@@ -106,12 +125,12 @@ class PartitionView(torch.optim.Optimizer):
         """Point every fragment at its flat tensor (or, for the flats in `kept`, at their copy from before their
         step), with the matching runs of the gradient and the state, and refresh the groups' hyperparameters."""
         self.state = {}
-        for view, fragment in zip(self.views, self.fragments):
+        for view, fragment, shape in zip(self.views, self.fragments, self._shapes):
             live = self.flats[fragment.flat]
             flat, state, grad = kept.get(fragment.flat) or (live, self.inner.state.get(live, {}), live.grad)
-            _point(view, flat, fragment.start, fragment.count)
-            view.grad = None if grad is None else _run(grad, live, fragment.start, fragment.count)
-            self.state[view] = {k: _run(v, live, fragment.start, fragment.count) for k, v in state.items()}
+            _point(view, flat, fragment.start, fragment.count, shape)
+            view.grad = None if grad is None else _run(grad, live, fragment.start, fragment.count, shape)
+            self.state[view] = {k: _run(v, live, fragment.start, fragment.count, shape) for k, v in state.items()}
         extra = self._describe_step() if self._describe_step is not None else {}
         for group, real in zip(self.param_groups, self._real_groups):
             for key, value in real.items():
@@ -151,9 +170,10 @@ class PartitionView(torch.optim.Optimizer):
         grads = {i: kept[2] for i, kept in self._kept.items()}
         self._kept.clear()
         self._show({})
-        for view, fragment in zip(self.views, self.fragments):  # the earlier calls' gradients are gone from the flats
-            if fragment.flat in grads and grads[fragment.flat] is not None:
-                view.grad = _run(grads[fragment.flat], self.flats[fragment.flat], fragment.start, fragment.count)
+        for view, fragment, shape in zip(self.views, self.fragments, self._shapes):  # the earlier calls' gradients
+            if fragment.flat in grads and grads[fragment.flat] is not None:  # are gone from the flats
+                view.grad = _run(grads[fragment.flat], self.flats[fragment.flat], fragment.start, fragment.count,
+                                 shape)
         return True
 
     # -- hooks: on the optimizer that steps --------------------------------------------------------------------

@@ -16,6 +16,7 @@ recording with one RecorderWarning naming it.
 from __future__ import annotations
 
 import gc
+import sys
 import warnings
 
 import torch
@@ -94,9 +95,31 @@ def _view_stage12(zero, model) -> PartitionView:
             hp, lp = mapping.hp_fragment_address, mapping.lp_fragment_address
             fragments.append(Fragment(name=names[id(p)], group=i, flat=i, start=int(hp.start), count=int(hp.numel),
                                       offset=int(lp.start), shape=tuple(p.shape)))
-    groups = list(zero.optimizer.param_groups)
-    return partition_view(zero.optimizer, zero.single_partition_of_fp32_groups, groups, fragments,
+    return partition_view(zero.optimizer, zero.single_partition_of_fp32_groups, _groups_stage12(zero), fragments,
                           _world(zero), lambda: _step_facts(zero), job_names=list(names.values()))
+
+
+def _groups_stage12(zero) -> list[dict]:
+    """The optimizer's param group dicts, group i holding flat partition i. ZeRO-1/2 step the optimizer once per
+    group with its ``param_groups`` set to that group alone (``DeepSpeedZeroOptimizer._optimizer_step``), and ``upd
+    record`` attaches at the first step, inside that window: there the whole list is the one that call keeps to put
+    back (its ``original_param_groups``). TypeError (recording stops, one RecorderWarning) when it is not found."""
+    flats = zero.single_partition_of_fp32_groups
+
+    def whole(groups) -> bool:
+        return (isinstance(groups, list) and len(groups) == len(flats)
+                and all(isinstance(g, dict) and any(p is flat for p in g.get("params", ()))
+                        for g, flat in zip(groups, flats)))
+
+    if whole(zero.optimizer.param_groups):
+        return list(zero.optimizer.param_groups)
+    frame = sys._getframe(1)
+    while frame is not None:
+        if frame.f_locals.get("self") is zero and whole(frame.f_locals.get("original_param_groups")):
+            return list(frame.f_locals["original_param_groups"])
+        frame = frame.f_back
+    raise TypeError(f"its optimizer shows {len(zero.optimizer.param_groups)} of its {len(flats)} param groups "
+                    f"(inside DeepSpeed's step of one group) and the others were not found")
 
 
 def _view_stage3(zero, model) -> PartitionView:
