@@ -1,4 +1,6 @@
 """What a new user meets at the edges of the commands: Ctrl-C, a second run given to analyze."""
+import contextlib
+import io
 import os
 import pty
 import signal
@@ -40,15 +42,28 @@ def test_ctrl_c_exits_130_with_one_line(tmp_path):
     assert err.strip() == "upd: interrupted" and "Aborted" not in err, err
 
 
-def _run_with_stderr_on_a_terminal(args):
-    """`python -m upd ARGS` with stderr a pseudo-terminal (stdout a pipe): (exit code, stdout, what the terminal got)."""
-    master, slave = pty.openpty()
+def _run_in_this_process(args, stderr):
+    """`upd ARGS` in this process (the bar's choice is stderr's isatty(), nothing of a process of its own), its
+    stderr the file object `stderr`, stdout captured: (exit code, stdout)."""
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(stderr):
+        try:
+            main(args, prog_name="upd")
+            code = 0
+        except SystemExit as exc:
+            code = exc.code
+    stderr.flush()
+    return code, out.getvalue()
+
+
+def _reading(fd):
+    """A thread that reads `fd` until the other side closes: (thread, the chunks it read)."""
     got = []
 
     def read():
         while True:
             try:
-                chunk = os.read(master, 65536)
+                chunk = os.read(fd, 65536)
             except OSError:  # the other side closed
                 return
             if not chunk:
@@ -57,30 +72,45 @@ def _run_with_stderr_on_a_terminal(args):
 
     reader = threading.Thread(target=read, daemon=True)
     reader.start()
+    return reader, got
+
+
+def _run(args, terminal: bool):
+    """`upd ARGS` with stderr a pseudo-terminal, or a pipe: (exit code, stdout, what stderr got)."""
+    if terminal:
+        master, slave = pty.openpty()
+        read_end, write_end = master, slave
+    else:
+        read_end, write_end = os.pipe()
+    reader, got = _reading(read_end)
     try:
-        proc = subprocess.run([sys.executable, "-m", "upd", *args], stdout=subprocess.PIPE, stderr=slave,
-                              text=True, timeout=300)
+        with open(write_end, "w", closefd=False) as stderr:
+            assert stderr.isatty() == terminal
+            code, stdout = _run_in_this_process(args, stderr)
     finally:
-        os.close(slave)
+        os.close(write_end)
         reader.join(timeout=10)
-        os.close(master)
-    return proc.returncode, proc.stdout, b"".join(got).decode()
+        os.close(read_end)
+    return code, stdout, b"".join(got).decode()
 
 
 @pytest.mark.slow
 def test_progress_on_a_terminal_and_nothing_when_piped(tmp_path):
+    """The commands' own code in this process, stderr a real pseudo-terminal or a real pipe (a process of its own
+    per command cost seconds each importing torch; that `python -m upd` runs the commands is
+    tests/cli/test_cli.py::test_console_script_runs_as_a_user_would)."""
     adam = [p for p in SAMPLE_RUNS if p.endswith("/adam.h5")][0]
     analyze = ["analyze", adam, "--no-plots", "--html", str(tmp_path / "r.html"), "--verify"]
     outputs = {}
     for args, labels in ((["verify", adam], ["verifying ["]), (analyze, ["computing the ratios", "verifying ["])):
-        code, outputs[args[0]], terminal = _run_with_stderr_on_a_terminal(args)
+        code, outputs[args[0]], terminal = _run(args, terminal=True)
         assert code == 0, terminal
         for label in labels:
             assert label in terminal, (args, terminal)
         assert terminal.endswith("\r\x1b[K")  # the bar is cleared: the output continues on a clean line
-    piped = subprocess.run([sys.executable, "-m", "upd", "verify", adam], capture_output=True, text=True, timeout=300)
-    assert piped.returncode == 0 and piped.stderr == ""  # piped: not one character of progress
-    assert outputs["verify"] == piped.stdout  # stdout the same either way
+    code, stdout, piped = _run(["verify", adam], terminal=False)
+    assert code == 0 and piped == ""  # piped: not one character of progress
+    assert outputs["verify"] == stdout  # stdout the same either way
 
 
 def test_main_help_lists_each_command_whole_and_the_interrupted_code():
