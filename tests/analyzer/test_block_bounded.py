@@ -40,7 +40,7 @@ def run_path(tmp_path_factory):
     model = Model()
     opt = torch.optim.SGD(model.parameters(), lr=1e-2)
     path = str(tmp_path_factory.mktemp("blocks") / "run.h5")
-    with upd.record(path, model, opt):
+    with upd.record(path, model, opt, every=1):
         for step in range(3):
             opt.zero_grad()
             model(torch.randn(16, WIDE)).backward()

@@ -17,7 +17,7 @@ def test_complex_ratios_use_real_and_imaginary_parts(tmp_path):
     path = tmp_path / "run.h5"
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # casting complex to real would warn (and drop the imaginary part)
-        with upd.record(path, optimizer=opt, stats_every=1):
+        with upd.record(path, optimizer=opt, stats_every=1, every=1):
             for _ in range(3):
                 opt.zero_grad()
                 (weight.abs() ** 2 + weight.imag).sum().backward()

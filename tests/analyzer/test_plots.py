@@ -119,7 +119,7 @@ def test_histograms_each_weight_its_own_range_at_first_middle_last(tmp_path):
         model[0].weight[0, 0] = 1e4  # one huge value: with a shared range every curve would be a spike at 0
     opt = torch.optim.SGD(model.parameters(), lr=1e-3)
     path = str(tmp_path / "tails.h5")
-    with upd.record(path, model, opt):
+    with upd.record(path, model, opt, every=1):
         for _ in range(5):
             opt.zero_grad()
             model(torch.randn(8, 32)).pow(2).mean().backward()
@@ -175,7 +175,7 @@ def _nan_run(path):
         for p in model.parameters():
             p.fill_(float("nan"))
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    with upd.record(path, model, opt, overwrite=True):
+    with upd.record(path, model, opt, overwrite=True, every=1):
         for _ in range(2):
             opt.zero_grad()
             model(torch.randn(3, 4)).sum().backward()

@@ -23,7 +23,7 @@ def test_ratios_equal_the_seed_loop(tmp_path):
     expected = {}
     g = torch.Generator().manual_seed(0)
     path = str(tmp_path / "run.h5")
-    with upd.record(path, model, opt):
+    with upd.record(path, model, opt, every=1):
         for step in range(6):
             x, y = torch.randn(8, 16, generator=g), torch.randn(8, 4, generator=g)
             before = {n: p.data.clone() for n, p in model.named_parameters()}
@@ -62,7 +62,7 @@ def test_degenerate_tensors_give_flags_not_crashes(tmp_path):
     model = Odd()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     path = str(tmp_path / "run.h5")
-    with upd.record(path, model, opt):
+    with upd.record(path, model, opt, every=1):
         for _ in range(2):
             opt.zero_grad()
             model(torch.randn(5, 4)).pow(2).mean().backward()

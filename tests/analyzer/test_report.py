@@ -57,7 +57,7 @@ def test_parameter_names_from_the_file_are_escaped(tmp_path):
     model.add_module(HOSTILE, nn.Linear(4, 3))  # a module name is any string without a dot
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     path = str(tmp_path / "hostile.h5")
-    with upd.record(path, model, opt):
+    with upd.record(path, model, opt, every=1):
         for _ in range(2):
             opt.zero_grad()
             getattr(model, HOSTILE)(torch.randn(2, 4)).sum().backward()

@@ -33,7 +33,7 @@ def _two_group_adamw(path, steps=3, prefix="", layers=2):
     biases = [p for n, p in model.named_parameters() if n.endswith("bias")]
     opt = torch.optim.AdamW([{"params": weights, "weight_decay": 0.1}, {"params": biases, "weight_decay": 0.0}],
                             lr=1e-3)
-    with upd.record(path, model, opt):
+    with upd.record(path, model, opt, every=1):
         for _ in range(steps):
             x = torch.randn(8, 64)
             opt.zero_grad()

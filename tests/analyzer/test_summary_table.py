@@ -46,7 +46,7 @@ def ratios_and_params(tmp_path_factory):
     opts = [torch.optim.Adam(model.fc1.parameters(), lr=1e-2), torch.optim.SGD(model.fc2.parameters(), lr=1e-1)]
     path = str(tmp_path_factory.mktemp("summary") / "run.h5")
     g = torch.Generator().manual_seed(0)
-    with upd.record(path, model, opts):
+    with upd.record(path, model, opts, every=1):
         for step in range(7):
             for opt in opts:
                 opt.zero_grad()

@@ -14,7 +14,7 @@ def test_tensor_lr_shows_in_the_steps_and_ratio_tables(tmp_path, lr):
     torch.manual_seed(0)
     model = nn.Linear(4, 3)
     opt = torch.optim.SGD(model.parameters(), lr=lr)
-    with upd.record(path, model, opt):
+    with upd.record(path, model, opt, every=1):
         for _ in range(3):
             opt.zero_grad()
             model(torch.randn(5, 4)).pow(2).mean().backward()

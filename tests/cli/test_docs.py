@@ -29,7 +29,7 @@ def test_third_party_rule_from_verify_md(tmp_path):
         model = MLP()
         opt = Lion(model.parameters(), lr=1e-3, weight_decay=0.1)
         path = str(tmp_path / "lion.h5")
-        with upd.record(path, model, opt):
+        with upd.record(path, model, opt, every=1):
             train_steps(model, opt, steps=4)
         report = upd.verify(path)
         assert report.exit_code == 0, report.summary()
@@ -49,7 +49,7 @@ def test_reading_by_hand_from_format_md(tmp_path):
     cwd = os.getcwd()
     os.chdir(tmp_path)
     try:
-        with upd.record("run.h5", model, opt):
+        with upd.record("run.h5", model, opt, every=1):
             train_steps(model, opt, steps=3, n_in=64, n_out=10)
         namespace = {}
         exec(python_blocks("format.md")[0], namespace)
@@ -76,7 +76,7 @@ def test_cli_loads_rules_from_a_module(tmp_path, monkeypatch):
         model = MLP()
         opt = Lion(model.parameters(), lr=1e-3)
         path = str(tmp_path / "lion.h5")
-        with upd.record(path, model, opt):
+        with upd.record(path, model, opt, every=1):
             train_steps(model, opt, steps=2)
         upd.replay.unregister(Lion)  # as in a fresh `upd` process, which knows no Lion rule
         sys.modules.pop("lion_rules")

@@ -27,7 +27,7 @@ def frozen_run(path):
     model = MLP()
     model.fc1.weight.requires_grad_(False)  # frozen, but kept in the optimizer
     opt = torch.optim.Adam(model.parameters(), lr=1e-3)
-    with upd.record(path, model, opt):
+    with upd.record(path, model, opt, every=1):
         train_steps(model, opt, steps=3)
     return path
 
@@ -47,7 +47,7 @@ def test_frozen_parameters_are_listed_by_info_analyze_and_verify(tmp_path):
     unfrozen = tmp_path / "plain.h5"
     model = MLP()
     opt = torch.optim.Adam(model.parameters(), lr=1e-3)
-    with upd.record(unfrozen, model, opt):
+    with upd.record(unfrozen, model, opt, every=1):
         train_steps(model, opt, steps=2)
     assert "frozen (" not in cli("info", unfrozen)[1] and "frozen (" not in cli("verify", unfrozen)[1]
 
@@ -56,13 +56,13 @@ def test_info_says_closed_cleanly_and_resumed(tmp_path):
     path = tmp_path / "run.h5"
     model = MLP()
     opt = torch.optim.Adam(model.parameters(), lr=1e-3)
-    with upd.record(path, model, opt) as rec:
+    with upd.record(path, model, opt, every=1) as rec:
         train_steps(model, opt, steps=2)
         rec.log(after_step=True, loss=1.5)
     out = cli("info", path)[1]
     assert "  closed cleanly\n" in out and "resumed" not in out
     assert "logged scalars at 2 steps: " in out and "loss" in out
-    with upd.record(path, model, opt, resume=True):
+    with upd.record(path, model, opt, resume=True, every=1):
         train_steps(model, opt, steps=1)
     assert "closed cleanly; resumed 1 time(s) (" in cli("info", path)[1]
 
@@ -86,18 +86,18 @@ def test_no_verdict_about_zero_weights(tmp_path):
     model = MLP()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     with pytest.warns(upd.RecorderWarning, match="match none"):
-        rec = upd.record(path, model, opt, include="*.wieght")
+        rec = upd.record(path, model, opt, include="*.wieght", every=1)
     with rec:
         train_steps(model, opt, steps=2)
     code, out = cli("analyze", path, "--no-plots")
     assert code == 0 and "all weights within" not in out and "nothing to judge" in out
     biases_only = tmp_path / "biases.h5"
-    with upd.record(biases_only, model, opt, include="*.bias"):
+    with upd.record(biases_only, model, opt, include="*.bias", every=1):
         train_steps(model, opt, steps=2)
     out = cli("analyze", biases_only, "--no-plots")[1]
     assert "all weights within" not in out and "nothing to judge" in out
     weights = tmp_path / "weights.h5"
-    with upd.record(weights, model, opt, include="*.weight"):
+    with upd.record(weights, model, opt, include="*.weight", every=1):
         train_steps(model, opt, steps=2)
     assert "nothing to judge" not in cli("analyze", weights, "--no-plots")[1]
 
@@ -125,7 +125,7 @@ def test_an_embedding_model_has_its_frozen_table_named(tmp_path):
     model[0].weight.requires_grad_(False)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     path = tmp_path / "emb.h5"
-    with upd.record(path, model, opt):
+    with upd.record(path, model, opt, every=1):
         for _ in range(2):
             opt.zero_grad()
             model(torch.randint(0, 10, (3, 2))).sum().backward()

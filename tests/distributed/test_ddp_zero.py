@@ -38,7 +38,7 @@ def _record_ddp(folder: str, name: str, ranks, rank: int) -> dict:
     torch.manual_seed(0)
     model = DDP(MLP())
     opt = torch.optim.Adam(model.parameters(), lr=1e-2)
-    with upd.record(os.path.join(folder, name), model, opt, ranks=ranks) as rec:
+    with upd.record(os.path.join(folder, name), model, opt, ranks=ranks, every=1) as rec:
         hooked = bool(opt._optimizer_step_pre_hooks)
         was_active = rec.active
         train_steps(model, opt, steps=STEPS, seed=rank)  # each rank its own data; DDP averages the gradients
@@ -50,7 +50,7 @@ def _record_drifting_replicas(folder: str, rank: int) -> None:
     torch.manual_seed(0)
     model = MLP()
     opt = torch.optim.Adam(model.parameters(), lr=1e-2)
-    with upd.record(os.path.join(folder, "drift.h5"), model, opt, ranks="all"):
+    with upd.record(os.path.join(folder, "drift.h5"), model, opt, ranks="all", every=1):
         train_steps(model, opt, steps=STEPS, seed=rank)
 
 
@@ -60,7 +60,7 @@ def _record_zero(folder: str, rank: int) -> list:
     torch.manual_seed(0)
     model = DDP(MLP())
     opt = ZeroRedundancyOptimizer(model.parameters(), optimizer_class=torch.optim.Adam, lr=1e-2)
-    with upd.record(os.path.join(folder, "zero.h5"), model, opt):
+    with upd.record(os.path.join(folder, "zero.h5"), model, opt, every=1):
         train_steps(model, opt, steps=STEPS, seed=rank)
     return sorted(name for name, p in model.module.named_parameters()
                   if any(p is q for g in opt.optim.param_groups for q in g["params"]))
@@ -80,7 +80,7 @@ def _sgd_replicas(path: str, rank: int, resume: bool, seed: int):
                 p.copy_(last[name])
     model = DDP(model)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    with upd.record(path, model, opt, ranks="all", resume=resume):
+    with upd.record(path, model, opt, ranks="all", resume=resume, every=1):
         train_steps(model, opt, steps=STEPS, seed=seed + rank)
 
 
@@ -280,7 +280,7 @@ def _kill_entry(rank: int, world_size: int, port: int, folder: str) -> None:
                 time.sleep(0.01)
             os.kill(os.getpid(), signal.SIGKILL)
 
-    with upd.record(os.path.join(folder, "killed.h5"), model, opt, ranks="all") as rec:
+    with upd.record(os.path.join(folder, "killed.h5"), model, opt, ranks="all", every=1) as rec:
         try:
             train_steps(model, opt, steps=3 * KILLED_AFTER, seed=rank, after_step=after_step)
         except RuntimeError:
@@ -358,8 +358,8 @@ def test_ranks_outside_a_distributed_job_is_checked_and_otherwise_ignored(tmp_pa
     model = MLP()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     with pytest.raises(ValueError, match="ranks"):
-        upd.record(str(tmp_path / "bad.h5"), model, opt, ranks="some")
-    with upd.record(str(tmp_path / "x.h5"), model, opt, ranks="all") as rec:
+        upd.record(str(tmp_path / "bad.h5"), model, opt, ranks="some", every=1)
+    with upd.record(str(tmp_path / "x.h5"), model, opt, ranks="all", every=1) as rec:
         train_steps(model, opt, steps=1)
     assert rec.rank_setup is None and rec.records == 1
     with upd.open_run(str(tmp_path / "x.h5")) as run:

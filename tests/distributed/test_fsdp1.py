@@ -38,7 +38,7 @@ def _record_fsdp1(rank: int, world: int, folder: str) -> dict:
         optimizer = torch.optim.AdamW(fsdp.parameters(), lr=0.05, weight_decay=0.1)
         sink = Collect()
         with upd.record(os.path.join(folder, f"orig-{use_orig}.h5"), fsdp, optimizer, stats_every=1, strict=True,
-                        sinks=[sink]):
+                        sinks=[sink], every=1):
             for step in range(STEPS):
                 tokens, targets = batch(step, 2 * world)
                 fsdp(tokens[rank::world], targets[rank::world]).backward()
@@ -52,7 +52,7 @@ def _record_fsdp1(rank: int, world: int, folder: str) -> dict:
 def _reference(path: str, world: int) -> None:
     model = Block()
     optimizer = torch.optim.AdamW(model.parameters(), lr=0.05, weight_decay=0.1)
-    with upd.record(path, model, optimizer, stats_every=1, strict=True):
+    with upd.record(path, model, optimizer, stats_every=1, strict=True, every=1):
         for step in range(STEPS):
             tokens, targets = batch(step, 2 * world)
             (sum(model(tokens[r::world], targets[r::world]) for r in range(world)) / world).backward()

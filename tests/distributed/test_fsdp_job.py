@@ -89,7 +89,7 @@ def fsdp_worker(rank: int, world_size: int, folder: str) -> None:
             fully_shard(module, mesh=mesh)
         fully_shard(model, mesh=mesh)
         optimizer = OPTIMIZERS[opt_name](model.parameters())
-        with upd.record(job_path(folder, opt_name, mode), model, optimizer, strict=True, **MODES[mode]):
+        with upd.record(job_path(folder, opt_name, mode), model, optimizer, strict=True, **{"every": 1, **MODES[mode]}):
             train(model, optimizer, rows)
 
 

@@ -85,7 +85,7 @@ def fsdp_worker(rank: int, world_size: int, folder: str) -> dict:
             if mode == "flight" and rank == 1 and step == NAN_STEP:
                 model[0].weight.grad.to_local()[0, 0] = float("nan")
 
-        with upd.record(job_path(folder, opt_name, mode), model, optimizer, strict=True, **options):
+        with upd.record(job_path(folder, opt_name, mode), model, optimizer, strict=True, **{"every": 1, **options}):
             train(model, optimizer, rows, before_step=poison)
     return {"names": names}
 
@@ -251,7 +251,7 @@ def test_a_dtensor_parameter_is_recorded_as_its_local_part(tmp_path, cpu_mesh, p
     weight = nn.Parameter(distribute_tensor(torch.randn(4, 6), cpu_mesh, [place]))
     opt = torch.optim.Adam([weight], lr=0.1)
     path = str(tmp_path / "run.h5")
-    with upd.record(path, None, opt, stats_every=1, strict=True):
+    with upd.record(path, None, opt, stats_every=1, strict=True, every=1):
         for step in range(3):
             weight.grad = distribute_tensor(torch.full((4, 6), float(step + 1)), cpu_mesh, [place])
             opt.step()
@@ -274,12 +274,12 @@ def test_a_partial_gradient_stops_recording_with_one_warning(tmp_path, cpu_mesh)
     weight = nn.Parameter(distribute_tensor(torch.randn(4, 6), cpu_mesh, [Shard(0)]))
     opt = torch.optim.SGD([weight], lr=0.1)
     with pytest.warns(upd.RecorderWarning, match="gradient of group0.param0 is a DTensor laid out unlike"):
-        with upd.record(str(tmp_path / "run.h5"), None, opt) as rec:
+        with upd.record(str(tmp_path / "run.h5"), None, opt, every=1) as rec:
             weight.grad = DTensor.from_local(torch.ones(4, 6), cpu_mesh, [Partial()])
             opt.step()
     assert isinstance(rec.error, TypeError)
     with pytest.raises(TypeError, match="Partial"):
-        with upd.record(str(tmp_path / "strict.h5"), None, opt, strict=True):
+        with upd.record(str(tmp_path / "strict.h5"), None, opt, strict=True, every=1):
             weight.grad = DTensor.from_local(torch.ones(4, 6), cpu_mesh, [Partial()])
             opt.step()
 
@@ -306,7 +306,7 @@ def test_rules_that_need_the_whole_tensor_skip_a_shard(tmp_path, optimizer, whol
     weight = nn.Parameter(torch.randn(6, 4))
     opt = optimizer([weight], lr=0.01)
     path = str(tmp_path / "run.h5")
-    with upd.record(path, None, opt, strict=True):
+    with upd.record(path, None, opt, strict=True, every=1):
         for _ in range(3):
             weight.grad = torch.randn(6, 4)
             opt.step()

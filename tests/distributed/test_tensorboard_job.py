@@ -277,7 +277,7 @@ def _run_config(config: str, rank: int, world: int, folder: str, mesh) -> dict:
             raise PermissionError(13, "Permission denied", path)
         recorder_module.AsyncRunWriter = no_file
     try:
-        with upd.record(path, model, optimizer, **kwargs) as rec:
+        with upd.record(path, model, optimizer, **{"every": 1, **kwargs}) as rec:
             if options == "tb-fails" and rank == 1:
                 _fail_at(rec, FAIL_STEP)
             train()

@@ -34,7 +34,7 @@ def record_deep(path, *, n_layers: int = 12, steps: int = 6, lr: float = 0.05, i
     opt = torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9)
     sched = torch.optim.lr_scheduler.StepLR(opt, step_size=step_size, gamma=0.1)
     g = torch.Generator().manual_seed(seed)
-    with upd.record(path, model, opt, overwrite=True, **record_options) as rec:
+    with upd.record(path, model, opt, overwrite=True, **{"every": 1, **record_options}) as rec:
         for _ in range(steps):
             x = torch.randn(16, WIDTH, generator=g)
             loss = nn.functional.mse_loss(model(x), x[:, :2])

@@ -23,7 +23,7 @@ def train(path, *, scaler: bool, fused: bool, unscale: bool = False, inf_steps=(
     # growth_interval: the scale stays SCALE between the skipped steps (it halves at each)
     grad_scaler = torch.amp.GradScaler("cpu", init_scale=SCALE, growth_interval=10_000) if scaler else None
     g = torch.Generator().manual_seed(0)
-    with upd.record(path, model, opt, strict=True, **record_options):
+    with upd.record(path, model, opt, strict=True, **{"every": 1, **record_options}):
         for step in range(steps):
             x, y = torch.randn(8, 16, generator=g), torch.randn(8, 4, generator=g)
             opt.zero_grad()

@@ -85,7 +85,7 @@ def record_case(case: Case, path: str) -> str:
     if case.two_groups and len(opt.param_groups) > 1:
         opt.param_groups[1]["lr"] = opt.param_groups[1]["lr"] * 0.5
     g = torch.Generator().manual_seed(1)
-    with upd.record(path, model, opt, strict=True):
+    with upd.record(path, model, opt, strict=True, every=1):
         for _ in range(case.steps):
             x, y = make_x(g), torch.randn(8, 3, generator=g)
 

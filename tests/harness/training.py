@@ -45,7 +45,7 @@ def record_run(path, make_optimizer, steps=4, seed=0, **record_options):
     torch.manual_seed(seed)
     model = MLP()
     optimizer = make_optimizer(model)
-    with upd.record(path, model, optimizer, **record_options):
+    with upd.record(path, model, optimizer, **{"every": 1, **record_options}):
         train_steps(model, optimizer, steps=steps, seed=seed)
     return path
 

@@ -124,7 +124,7 @@ def runs(tmp_path_factory):
     for name, (module_options, trainer_options, accumulate) in CASES.items():
         root = tmp_path_factory.mktemp("lightning")
         module = Tiny(**module_options)
-        trainer = fit(root, UpdCallback(), module, **trainer_options)
+        trainer = fit(root, UpdCallback(every=1), module, **trainer_options)
         done[name] = (trainer, module, str(root / DEFAULT_FILE), accumulate)
     return done
 
@@ -189,7 +189,7 @@ def test_the_loss_check_fails_without_the_callbacks_loss(tmp_path):
 
 
 def test_the_default_path_is_in_the_loggers_folder(tmp_path):
-    callback = UpdCallback()
+    callback = UpdCallback(every=1)
     trainer = fit(tmp_path, callback, Tiny(), steps=1, logger=pl.loggers.CSVLogger(str(tmp_path / "logs")))
     assert callback.recorder is None  # closed at on_train_end
     path = callback.run_path(trainer)
@@ -219,7 +219,7 @@ def test_a_fit_that_raises_or_is_interrupted_leaves_a_closed_run(tmp_path, error
     """The recorder closes in on_exception: the steps before the error stay readable and verify."""
     module = Tiny(fail_at=3)
     module.fail_at_error = error
-    callback = UpdCallback()
+    callback = UpdCallback(every=1)
     sigint = signal.getsignal(signal.SIGINT)
     try:
         # Lightning turns Ctrl-C into a graceful shutdown ending in sys.exit(1); other errors propagate.
@@ -238,13 +238,13 @@ def test_a_fit_that_raises_or_is_interrupted_leaves_a_closed_run(tmp_path, error
 
 def test_a_run_that_cannot_start_warns_and_training_goes_on(tmp_path):
     (tmp_path / DEFAULT_FILE).write_bytes(b"an earlier run")
-    callback = UpdCallback()
+    callback = UpdCallback(every=1)
     with pytest.warns(upd.RecorderWarning, match="exists"):
         trainer = fit(tmp_path, callback, Tiny(), steps=2)
     assert trainer.global_step == 2 and callback.recorder is None
     assert (tmp_path / DEFAULT_FILE).read_bytes() == b"an earlier run"
     with pytest.raises(FileExistsError):
-        fit(tmp_path, UpdCallback(strict=True), Tiny(), steps=2)
+        fit(tmp_path, UpdCallback(strict=True, every=1), Tiny(), steps=2)
 
 
 def test_a_loss_that_cannot_be_stored_warns_once_and_the_steps_go_on_being_recorded(tmp_path, monkeypatch):
@@ -253,16 +253,16 @@ def test_a_loss_that_cannot_be_stored_warns_once_and_the_steps_go_on_being_recor
 
     monkeypatch.setattr(upd.Recorder, "log", refuse)
     with pytest.warns(upd.RecorderWarning, match="loss") as warned:
-        fit(tmp_path, UpdCallback(), Tiny(), steps=3)
+        fit(tmp_path, UpdCallback(every=1), Tiny(), steps=3)
     assert len([w for w in warned if issubclass(w.category, upd.RecorderWarning)]) == 1
     assert backward_pass_problem(str(tmp_path / DEFAULT_FILE), 1, 3) is None
     with pytest.raises(ValueError, match="refused"):
-        fit(tmp_path / "strict", UpdCallback(strict=True), Tiny(), steps=3)
+        fit(tmp_path / "strict", UpdCallback(strict=True, every=1), Tiny(), steps=3)
 
 
 def test_unknown_record_options_are_refused_when_the_callback_is_made():
     with pytest.raises(TypeError):
-        UpdCallback(evry=3)
+        UpdCallback(evry=3, every=1)
     UpdCallback(every=3, stats_every=1)
 
 
@@ -273,7 +273,7 @@ def test_without_lightning_the_callback_says_how_to_install_it(monkeypatch):
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     with pytest.raises(ImportError, match=INSTALL_HINT.replace("[", r"\[").replace("]", r"\]")):
-        module.UpdCallback()
+        module.UpdCallback(every=1)
 
 
 DDP_SCRIPT = '''

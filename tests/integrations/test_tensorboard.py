@@ -79,7 +79,7 @@ def adam_run(tmp_path_factory):
     model = WithScale()
     opt = torch.optim.Adam(model.parameters(), lr=3e-3)
     path = str(tmp_path_factory.mktemp("tb") / "adam.h5")
-    with upd.record(path, model, opt):
+    with upd.record(path, model, opt, every=1):
         train(model, [opt], steps=5)
     with upd.open_run(path) as run:
         return run.ratios()
@@ -106,7 +106,7 @@ def test_export_several_optimizers_prefixes_names(tmp_path):
     adam = torch.optim.Adam(model.fc1.parameters(), lr=1e-3)
     sgd = torch.optim.SGD(model.fc2.parameters(), lr=0.1, momentum=0.9)
     path = str(tmp_path / "two.h5")
-    with upd.record(path, model, [adam, sgd]):
+    with upd.record(path, model, [adam, sgd], every=1):
         train(model, [adam, sgd], steps=4)
     with upd.open_run(path) as run:
         ratios = run.ratios()
@@ -312,7 +312,7 @@ def test_logged_scalars_are_written_live_and_by_the_export(tmp_path):
     model = MLP()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     path, live_dir = str(tmp_path / "run.h5"), tmp_path / "live"
-    with upd.record(path, model, opt, tensorboard=str(live_dir)) as rec:
+    with upd.record(path, model, opt, tensorboard=str(live_dir), every=1) as rec:
         g = torch.Generator().manual_seed(0)
         for _ in range(5):
             loss = nn.functional.mse_loss(model(torch.randn(8, 16, generator=g)), torch.randn(8, 4, generator=g))

@@ -384,7 +384,7 @@ def test_lightning_mlflow_and_csv_loggers_hold_the_loss_and_the_ratios_on_the_sa
     path = str(tmp_path / "lightning.h5")
     trainer = pl.Trainer(max_steps=5, accelerator="cpu", devices=1, enable_progress_bar=False,
                          enable_model_summary=False, enable_checkpointing=False, default_root_dir=str(tmp_path),
-                         callbacks=[UpdCallback(path)], log_every_n_steps=1, logger=[mlflow_logger, csv_logger])
+                         callbacks=[UpdCallback(path, every=1)], log_every_n_steps=1, logger=[mlflow_logger, csv_logger])
     trainer.fit(Tiny(), loader)
     with upd.open_run(path) as run:
         ratios = run.ratios()

@@ -55,7 +55,7 @@ def train(output_dir, callback, **arguments):
 def trained(tmp_path_factory):
     """One recorded training shared by the checks below (Trainer's defaults: its fused AdamW)."""
     out = tmp_path_factory.mktemp("trainer")
-    callback = UpdCallback()
+    callback = UpdCallback(every=1)
     trainer = train(out, callback)
     return trainer, callback, os.path.join(out, DEFAULT_FILE)
 
@@ -139,7 +139,7 @@ def test_a_run_recorded_without_the_callback_has_no_logs(tmp_path):
 
 def test_unknown_record_options_are_refused_when_the_callback_is_made():
     with pytest.raises(TypeError):
-        UpdCallback(evry=3)
+        UpdCallback(evry=3, every=1)
     UpdCallback(every=3, stats_every=1)
 
 
@@ -167,18 +167,18 @@ def _begin(callback, output_dir):
 
 def test_a_run_that_cannot_start_warns_and_training_goes_on(tmp_path):
     (tmp_path / DEFAULT_FILE).write_bytes(b"an earlier run")
-    callback = UpdCallback()
+    callback = UpdCallback(every=1)
     with pytest.warns(upd.RecorderWarning, match="exists"):
         _begin(callback, tmp_path)
     assert callback.recorder is None
     callback.on_train_end(None, types.SimpleNamespace(log_history=[{"loss": 1.0, "step": 1}]), None)
     assert (tmp_path / DEFAULT_FILE).read_bytes() == b"an earlier run"
     with pytest.raises(FileExistsError):
-        _begin(UpdCallback(strict=True), tmp_path)
+        _begin(UpdCallback(strict=True, every=1), tmp_path)
 
 
 def test_an_explicit_path_and_a_second_train_call(tmp_path):
-    callback = UpdCallback(tmp_path / "mine.h5")
+    callback = UpdCallback(tmp_path / "mine.h5", every=1)
     _begin(callback, tmp_path / "unused")
     first = callback.recorder
     assert first.path == str(tmp_path / "mine.h5") and first.active
@@ -196,7 +196,7 @@ def test_without_transformers_the_callback_says_how_to_install_it(monkeypatch, t
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     with pytest.raises(ImportError, match=INSTALL_HINT.replace("[", r"\[").replace("]", r"\]")):
-        module.UpdCallback()
+        module.UpdCallback(every=1)
     path = record_run(str(tmp_path / "plain.h5"), lambda m: torch.optim.SGD(m.parameters(), lr=0.1), steps=1)
     assert module.trainer_logs(path).empty  # reading needs no transformers
 

@@ -39,7 +39,7 @@ def compiled_training(path, compile_model: bool, compile_step: bool, steps: int 
 
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(recorder_module.Recorder, "_before_step", watched_before_step)
-        with upd.record(path, run_model, opt, **options) as rec:
+        with upd.record(path, run_model, opt, **{"every": 1, **options}) as rec:
             for s in range(steps):
                 opt.zero_grad()
                 loss_at(run_model, s).backward()
@@ -84,7 +84,7 @@ def test_compiled_submodule_names_have_no_prefix(tmp_path):
     assert "0._orig_mod.weight" in dict(model.named_parameters())
     named = torch.optim.SGD(list(torch.compile(mlp()).named_parameters()), lr=0.1)
     path = tmp_path / "names.h5"
-    with upd.record(path, model, [torch.optim.SGD(model.parameters(), lr=0.1), named]):
+    with upd.record(path, model, [torch.optim.SGD(model.parameters(), lr=0.1), named], every=1):
         pass
     with upd.open_run(path) as run:
         for optimizer in run.optimizers:

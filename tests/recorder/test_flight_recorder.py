@@ -95,7 +95,7 @@ def test_flight_recorder_options_are_checked(tmp_path):
     model = MLP()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     with pytest.raises(ValueError, match="flight_recorder"):
-        upd.record(str(tmp_path / "a.h5"), model, opt, flight_recorder=0)
+        upd.record(str(tmp_path / "a.h5"), model, opt, flight_recorder=0, every=1)
     with pytest.raises(RuntimeError, match="flight_recorder"):
-        with upd.record(str(tmp_path / "b.h5"), model, opt) as rec:
+        with upd.record(str(tmp_path / "b.h5"), model, opt, every=1) as rec:
             rec.dump()

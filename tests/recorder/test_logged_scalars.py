@@ -77,7 +77,7 @@ def test_a_tensor_is_read_when_the_step_is_written_not_at_the_call(tmp_path):
     record. Changing the tensor in place after logging it, before the step, shows in the file: proof of when."""
     model = mlp()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    with upd.record(tmp_path / "run.h5", model, opt) as rec:
+    with upd.record(tmp_path / "run.h5", model, opt, every=1) as rec:
         loss = loss_at(model, 0)
         loss.backward()
         logged = loss.detach().clone()
@@ -91,7 +91,7 @@ def test_a_tensor_is_read_when_the_step_is_written_not_at_the_call(tmp_path):
 def test_values_that_are_not_one_number_and_reserved_names_are_refused(tmp_path):
     model = mlp()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    with upd.record(tmp_path / "run.h5", model, opt) as rec:
+    with upd.record(tmp_path / "run.h5", model, opt, every=1) as rec:
         with pytest.raises(TypeError, match="shape \\(2,\\)"):
             rec.log(loss=torch.ones(2))
         with pytest.raises(TypeError, match="str"):
@@ -168,7 +168,7 @@ def test_several_optimizers_each_value_goes_to_the_one_that_steps_next(tmp_path)
     torch.manual_seed(0)
     a, b = nn.Linear(3, 2), nn.Linear(2, 1)
     opt_a, opt_b = torch.optim.SGD(a.parameters(), lr=0.1), torch.optim.Adam(b.parameters(), lr=0.1)
-    with upd.record(tmp_path / "run.h5", None, [opt_a, opt_b]) as rec:
+    with upd.record(tmp_path / "run.h5", None, [opt_a, opt_b], every=1) as rec:
         for step in range(2):
             loss = b(a(torch.randn(4, 3))).pow(2).mean()
             loss.backward()
@@ -190,9 +190,9 @@ def test_a_resumed_run_continues_the_scalars(tmp_path):
     torch.manual_seed(0)
     model = MLP()
     opt = torch.optim.Adam(model.parameters(), lr=1e-3)
-    with upd.record(path, model, opt) as rec:
+    with upd.record(path, model, opt, every=1) as rec:
         first = _loop(model, opt, rec, 3)
-    with upd.record(path, model, opt, resume=True) as rec:
+    with upd.record(path, model, opt, resume=True, every=1) as rec:
         second = _loop(model, opt, rec, 2)
     with upd.open_run(path) as run:
         scalars = run.scalars()
@@ -204,7 +204,7 @@ def test_a_hostile_scalars_table_is_one_clear_error(tmp_path):
     path = tmp_path / "run.h5"
     model = mlp()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    with upd.record(path, model, opt) as rec:
+    with upd.record(path, model, opt, every=1) as rec:
         loss_at(model, 0).backward()
         rec.log(loss=1.0)
         opt.step()

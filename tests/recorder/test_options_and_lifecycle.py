@@ -43,7 +43,7 @@ def test_include_exclude_globs(tmp_path, include, exclude, expected):
     path = tmp_path / "globs.h5"
     model = mlp(seed=13)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    with upd.record(path, model, opt, include=include, exclude=exclude):
+    with upd.record(path, model, opt, include=include, exclude=exclude, every=1):
         train(model, opt, 2)
     with upd.open_run(path) as run:
         assert sorted(run.params()["param"]) == expected
@@ -55,7 +55,7 @@ def test_what_param_only_has_no_grad_or_state_and_is_not_verifiable(tmp_path):
     path = tmp_path / "what.h5"
     model = mlp(seed=13)
     opt = torch.optim.Adam(model.parameters(), lr=1e-2)
-    with upd.record(path, model, opt, what=("param",)):
+    with upd.record(path, model, opt, what=("param",), every=1):
         train(model, opt, 3)
     with h5py.File(path, "r") as f:
         for name in ("0.weight", "0.bias", "2.weight", "2.bias"):
@@ -74,7 +74,7 @@ def test_what_param_grad_without_state_verifies_only_the_first_step(tmp_path):
     path = tmp_path / "nostate.h5"
     model = mlp(seed=13)
     opt = torch.optim.Adam(model.parameters(), lr=1e-2)
-    with upd.record(path, model, opt, what=("param", "grad")):
+    with upd.record(path, model, opt, what=("param", "grad"), every=1):
         train(model, opt, 3)
     with upd.open_run(path) as run:
         assert all(p.state_keys == [] for p in run.iter_params())
@@ -99,7 +99,7 @@ def test_reduced_precision_storage(tmp_path, dtype, opt_name):
         before.append(params_of(model))
         grads.append(grads_of(model))
 
-    with upd.record(path, model, opt, dtype=dtype):
+    with upd.record(path, model, opt, dtype=dtype, every=1):
         train(model, opt, 4, before_step=snap)
     target = getattr(torch, dtype)
     with upd.open_run(path) as run:
@@ -125,7 +125,7 @@ def test_float16_storage_no_false_mismatch_with_small_adam_grads(tmp_path):
     path = tmp_path / "f16_small.h5"
     model = mlp(seed=13)
     opt = torch.optim.Adam(model.parameters(), lr=1e-3)
-    with upd.record(path, model, opt, dtype="float16"):
+    with upd.record(path, model, opt, dtype="float16", every=1):
         for s in range(4):
             opt.zero_grad()
             (0.01 * loss_at(model, s)).backward()  # gradients ~1e-3..1e-2, common in real networks
@@ -140,7 +140,7 @@ def test_reduced_precision_keeps_the_step_counter_exact(tmp_path):
     model = mlp(seed=13)
     opt = torch.optim.Adam(model.parameters(), lr=1e-3)
     train(model, opt, 300)  # a resumed run: the optimizer already took 300 steps
-    with upd.record(path, model, opt, dtype="bfloat16"):
+    with upd.record(path, model, opt, dtype="bfloat16", every=1):
         train(model, opt, 3)
     with upd.open_run(path) as run:
         assert run.optimizers[0].steps.tolist() == [300, 301, 302]
@@ -153,7 +153,7 @@ def test_gzip_compression(tmp_path):
     model = mlp(seed=13)
     opt = torch.optim.Adam(model.parameters(), lr=1e-2)
     grads = []
-    with upd.record(path, model, opt, compression="gzip"):
+    with upd.record(path, model, opt, compression="gzip", every=1):
         train(model, opt, 3, before_step=lambda s: grads.append(grads_of(model)))
     with h5py.File(path, "r") as f:
         grp = f[schema.PARAMETER.path(k=0, name='0.weight')]
@@ -170,10 +170,10 @@ def test_refuses_to_overwrite_unless_asked(tmp_path):
     model = mlp()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     with pytest.raises(FileExistsError):
-        upd.record(path, model, opt)
+        upd.record(path, model, opt, every=1)
     assert path.read_bytes() == b"precious"
     assert no_hooks_left(opt, model)
-    with upd.record(path, model, opt, overwrite=True):
+    with upd.record(path, model, opt, overwrite=True, every=1):
         train(model, opt, 2)
     with upd.open_run(path) as run:
         assert run.optimizers[0].num_records == 2
@@ -183,7 +183,7 @@ def test_with_block_removes_every_hook(tmp_path):
     path = tmp_path / "hooks.h5"
     model = mlp()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    with upd.record(path, model, opt) as rec:
+    with upd.record(path, model, opt, every=1) as rec:
         train(model, opt, 2)
         assert opt._optimizer_step_pre_hooks and opt._optimizer_step_post_hooks
     assert not rec.active
@@ -198,7 +198,7 @@ def test_explicit_close_removes_every_hook(tmp_path):
     path = tmp_path / "close.h5"
     model = mlp()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    rec = upd.record(path, model, opt)
+    rec = upd.record(path, model, opt, every=1)
     train(model, opt, 3)
     assert rec.records == 3
     rec.close()

@@ -57,7 +57,7 @@ def test_an_unknown_option_names_itself_and_a_bad_value_is_refused(tmp_path):
     model = MLP()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     with pytest.raises(TypeError, match="unexpected keyword argument 'evry'"):
-        upd.record(str(tmp_path / "a.h5"), model, opt, evry=2)
+        upd.record(str(tmp_path / "a.h5"), model, opt, evry=2, every=1)
     with pytest.raises(ValueError, match="stats_every must be a positive integer"):
         RecordOptions(stats_every=0)
     with pytest.raises(dataclasses.FrozenInstanceError):

@@ -24,7 +24,7 @@ def test_lbfgs_records_first_gradient_and_every_closure_loss(tmp_path):
         return loss
 
     path = str(tmp_path / "lbfgs.h5")
-    with upd.record(path, model, opt):
+    with upd.record(path, model, opt, every=1):
         for _ in range(3):
             losses.append([])
             befores.append(model.weight.detach().clone())
@@ -51,7 +51,7 @@ def test_plain_steps_have_no_closure_losses(tmp_path):
     model = nn.Linear(3, 1)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     path = str(tmp_path / "sgd.h5")
-    with upd.record(path, model, opt):
+    with upd.record(path, model, opt, every=1):
         model(torch.randn(4, 3)).sum().backward()
         opt.step()
     with upd.open_run(path) as run:
@@ -65,7 +65,7 @@ def test_backward_pass_counts_the_closures_backward(tmp_path):
     model = mlp()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     path = str(tmp_path / "closure.h5")
-    with upd.record(path, model, opt):
+    with upd.record(path, model, opt, every=1):
         for s in range(3):
             opt.zero_grad()
             loss_at(model, 2 * s).backward()
@@ -95,7 +95,7 @@ def test_backward_pass_of_an_lbfgs_step_is_that_of_its_recorded_gradient(tmp_pat
         return loss
 
     path = str(tmp_path / "lbfgs.h5")
-    with upd.record(path, model, opt):
+    with upd.record(path, model, opt, every=1):
         for _ in range(3):
             evaluations.append(0)
             opt.step(closure)

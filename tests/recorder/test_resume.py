@@ -18,7 +18,7 @@ def checkpointed_run(tmp_path, make_opt, first=4, second=3):
     torch.manual_seed(0)
     model = MLP()
     opt = make_opt(model)
-    with upd.record(path, model, opt):
+    with upd.record(path, model, opt, every=1):
         train_steps(model, opt, steps=first, seed=1)
     checkpoint = {"model": model.state_dict(), "opt": opt.state_dict()}
     # "a new process": fresh objects loaded from the checkpoint
@@ -26,7 +26,7 @@ def checkpointed_run(tmp_path, make_opt, first=4, second=3):
     opt2 = make_opt(model2)
     model2.load_state_dict(checkpoint["model"])
     opt2.load_state_dict(checkpoint["opt"])
-    with upd.record(path, model2, opt2, resume=True):
+    with upd.record(path, model2, opt2, resume=True, every=1):
         train_steps(model2, opt2, steps=second, seed=2)
     return path
 
@@ -52,7 +52,7 @@ def test_resume_without_a_file_starts_a_new_run(tmp_path):
     model = MLP()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     path = str(tmp_path / "new.h5")
-    with upd.record(path, model, opt, resume=True):
+    with upd.record(path, model, opt, resume=True, every=1):
         train_steps(model, opt, steps=2)
     assert list(upd.open_run(path).optimizers[0].steps) == [0, 1]
 
@@ -61,13 +61,13 @@ def test_resume_refuses_a_different_model(tmp_path):
     path = checkpointed_run(tmp_path, lambda m: torch.optim.Adam(m.parameters(), lr=1e-2), first=2, second=1)
     bigger = MLP(n_hidden=13)
     with pytest.raises(ValueError, match=r"shapes changed: .*fc1.weight \[12, 16\] -> \[13, 16\]"):
-        upd.record(path, bigger, torch.optim.Adam(bigger.parameters()), resume=True)
+        upd.record(path, bigger, torch.optim.Adam(bigger.parameters()), resume=True, every=1)
     other = nn.Sequential(nn.Linear(16, 4))
     with pytest.raises(ValueError, match="parameters no longer in optimizer 0: fc1.bias"):
-        upd.record(path, other, torch.optim.Adam(other.parameters()), resume=True)
+        upd.record(path, other, torch.optim.Adam(other.parameters()), resume=True, every=1)
     same = MLP()
     with pytest.raises(ValueError, match="was torch.optim.Adam, now torch.optim.SGD"):
-        upd.record(path, same, torch.optim.SGD(same.parameters(), lr=0.1), resume=True)
+        upd.record(path, same, torch.optim.SGD(same.parameters(), lr=0.1), resume=True, every=1)
     with upd.open_run(path) as run:  # the refused attempts left the run as it was
         assert run.optimizers[0].num_records == 3
     assert upd.verify(path).exit_code == 0
@@ -78,7 +78,7 @@ def test_resume_drops_the_half_written_record_of_a_crash(tmp_path):
     model = MLP()
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     path = str(tmp_path / "run.h5")
-    with upd.record(path, model, opt):
+    with upd.record(path, model, opt, every=1):
         train_steps(model, opt, steps=3)
     with h5py.File(path, "r+") as f:  # what a kill between the data rows and the commit leaves behind
         grp = f[schema.PARAMETER.path(k=0, name='fc1.weight')]
@@ -86,7 +86,7 @@ def test_resume_drops_the_half_written_record_of_a_crash(tmp_path):
             grp[name].resize(grp[name].shape[0] + 1, axis=0)
         grp["record"][-1] = 3
         grp["param"][-1] = np.full(grp["param"].shape[1:], 123.0)
-    with upd.record(path, model, opt, resume=True):
+    with upd.record(path, model, opt, resume=True, every=1):
         train_steps(model, opt, steps=2, seed=5)
     with upd.open_run(path) as run:
         p = run.param("fc1.weight")
@@ -103,7 +103,7 @@ def test_resume_from_an_older_checkpoint_truncates_the_run(tmp_path):
     torch.manual_seed(0)
     model = MLP()
     opt = torch.optim.Adam(model.parameters(), lr=1e-2)
-    with upd.record(path, model, opt, stats_every=1) as rec:
+    with upd.record(path, model, opt, stats_every=1, every=1) as rec:
         train_steps(model, opt, steps=4, seed=1)
         checkpoint = copy.deepcopy({"model": model.state_dict(), "opt": opt.state_dict()})  # as torch.save would
         rec.log(loss=1.0)  # scalar rows of the steps to be dropped too
@@ -113,7 +113,7 @@ def test_resume_from_an_older_checkpoint_truncates_the_run(tmp_path):
     opt2 = torch.optim.Adam(model2.parameters(), lr=1e-2)
     opt2.load_state_dict(checkpoint["opt"])
     with pytest.warns(upd.RecorderWarning, match="resumes at step 4.*truncated back.*2 full record") as caught:
-        with upd.record(path, model2, opt2, stats_every=1, resume=True):
+        with upd.record(path, model2, opt2, stats_every=1, resume=True, every=1):
             train_steps(model2, opt2, steps=3, seed=2)
     assert sum("truncated back" in str(w.message) for w in caught) == 1
     with upd.open_run(path) as run:

@@ -28,7 +28,7 @@ def record_warning_once(*args, **options):
     """upd.record(...) and the RecorderWarnings it gave."""
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        rec = upd.record(*args, **options)
+        rec = upd.record(*args, **{"every": 1, **options})
     return rec, recorder_warnings(caught)
 
 
@@ -177,7 +177,7 @@ def test_cannot_record_warns_once_and_training_goes_on(tmp_path, case):
 def test_strict_raises_what_cannot_be_recorded(tmp_path, case):
     model_arg, opt_arg = NOT_RECORDABLE[case](mlp())
     with pytest.raises(TypeError):
-        upd.record(tmp_path / "run.h5", model_arg, opt_arg, strict=True)
+        upd.record(tmp_path / "run.h5", model_arg, opt_arg, strict=True, every=1)
     assert os.listdir(tmp_path) == []
 
 
@@ -187,7 +187,7 @@ def test_bad_option_values_still_raise_before_anything_else(tmp_path):
     with pytest.raises(ValueError, match="every must be a positive integer"):
         upd.record(tmp_path / "run.h5", mlp(), object(), every=-1)
     with pytest.raises(ValueError, match="overwrite=True or resume=True"):
-        upd.record(tmp_path / "run.h5", mlp(), object(), overwrite=True, resume=True)
+        upd.record(tmp_path / "run.h5", mlp(), object(), overwrite=True, resume=True, every=1)
     assert os.listdir(tmp_path) == []
 
 
@@ -197,7 +197,7 @@ def test_existing_file_is_still_refused_through_a_wrapper(tmp_path):
     model = mlp()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     with pytest.raises(FileExistsError):
-        upd.record(path, model, OptimizerWrapper(opt))
+        upd.record(path, model, OptimizerWrapper(opt), every=1)
     assert path.read_bytes() == b"precious" and no_hooks_left(opt, model)
 
 
@@ -217,7 +217,7 @@ def test_setup_failing_after_creating_the_file_leaves_no_stub(tmp_path, monkeypa
     with rec:
         train(model, opt, 2)
     with pytest.raises(OSError, match="disk gone"):
-        upd.record(path, model, opt, strict=True)
+        upd.record(path, model, opt, strict=True, every=1)
     assert not os.path.exists(path)
 
 
@@ -226,7 +226,7 @@ def test_failing_resume_setup_keeps_the_users_run(tmp_path, monkeypatch):
     model = mlp()
     opt = torch.optim.Adam(model.parameters(), lr=1e-2)
     path = tmp_path / "run.h5"
-    with upd.record(path, model, opt):
+    with upd.record(path, model, opt, every=1):
         train(model, opt, 2)
     monkeypatch.setattr(recorder_module.AsyncRunWriter, "add_optimizer", failing_add_optimizer)
     rec, warned = record_warning_once(path, model, opt, resume=True)

@@ -85,7 +85,7 @@ def test_a_sink_that_raises_is_warned_about_once_and_dropped(tmp_path):
     path = str(tmp_path / "run.h5")
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        with upd.record(path, model, [first, second], stats_every=1, sinks=[bad, good]) as rec:
+        with upd.record(path, model, [first, second], stats_every=1, sinks=[bad, good], every=1) as rec:
             train(rec, model, [first, second], steps=4)
             rec_active = rec.active
     said = [str(w.message) for w in caught if issubclass(w.category, upd.RecorderWarning)]
@@ -101,7 +101,7 @@ def test_a_sink_that_raises_is_warned_about_once_and_dropped(tmp_path):
 
 def test_sinks_take_objects_with_write_and_close(tmp_path):
     with pytest.raises(TypeError, match=r"sinks= takes objects with write\(steps\) and close\(\)"):
-        upd.record(str(tmp_path / "run.h5"), MLP(), torch.optim.SGD(MLP().parameters(), lr=0.1), sinks=[object()])
+        upd.record(str(tmp_path / "run.h5"), MLP(), torch.optim.SGD(MLP().parameters(), lr=0.1), sinks=[object()], every=1)
     assert not (tmp_path / "run.h5").exists()
 
 

@@ -23,7 +23,7 @@ def test_the_ten_line_sink_of_sinks_md(tmp_path, capsys):
     model = MLP()
     opt = torch.optim.Adam(model.parameters(), lr=1e-2)
     path = str(tmp_path / "run.h5")
-    with upd.record(path, model, opt, stats_every=10, sinks=[sink]) as rec:
+    with upd.record(path, model, opt, stats_every=10, sinks=[sink], every=1) as rec:
         g = torch.Generator().manual_seed(0)
         for _ in range(25):
             loss = nn.functional.mse_loss(model(torch.randn(8, 16, generator=g)), torch.randn(8, 4, generator=g))

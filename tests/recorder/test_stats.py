@@ -285,7 +285,7 @@ def test_zero_fractions_only_where_asked(tmp_path):
     for kind in ("param", "update", "state.exp_avg"):
         assert table[f"{kind}_zero_frac"].isna().all(), kind
     with pytest.raises(ValueError, match="zero_counts"):
-        upd.record(str(tmp_path / "x.h5"), model, opt, zero_counts=("weights",))
+        upd.record(str(tmp_path / "x.h5"), model, opt, zero_counts=("weights",), every=1)
 
 
 def test_full_set_on_its_own_cadence(tmp_path):
@@ -304,7 +304,7 @@ def test_full_set_on_its_own_cadence(tmp_path):
     assert by_step.loc[[1, 2, 4, 5], ["param_absmax", "grad_zero_frac", "state.exp_avg_norm"]].isna().all().all()
     assert table[LEAN_COLUMNS].notna().all().all()  # the lean set at every step, full steps included
     with pytest.raises(ValueError, match="full_stats_every"):
-        upd.record(str(tmp_path / "x.h5"), model, opt, stats_every=1, full_stats_every=0)
+        upd.record(str(tmp_path / "x.h5"), model, opt, stats_every=1, full_stats_every=0, every=1)
 
 
 def test_lean_set_counts_nonfinite_values_in_large_and_small_tensors(tmp_path):

@@ -27,7 +27,7 @@ def test_lr_scheduler_lr_per_record(tmp_path, kind):
         opt = torch.optim.Adam(model.parameters(), lr=1e-2)
         sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=5e-2, total_steps=steps)  # also cycles beta1
     used_lr, used_betas = [], []
-    with upd.record(path, model, opt):
+    with upd.record(path, model, opt, every=1):
         for s in range(steps):
             opt.zero_grad()
             loss_at(model, s).backward()
@@ -64,7 +64,7 @@ def test_gradscaler_skipped_step_leaves_a_gap_not_a_record(tmp_path):
     opt = torch.optim.Adam(model.parameters(), lr=1e-2)
     scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10)
     expected_grads = []
-    with upd.record(path, model, opt):
+    with upd.record(path, model, opt, every=1):
         for s in range(5):
             opt.zero_grad()
             loss = loss_at(model, s)
@@ -98,7 +98,7 @@ def test_backward_pass_counts_passes_before_the_first_step(tmp_path):
     model = mlp(seed=7)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10)
-    with upd.record(path, model, opt):
+    with upd.record(path, model, opt, every=1):
         for s in range(4):
             opt.zero_grad()
             loss = loss_at(model, s)
@@ -124,7 +124,7 @@ def test_gradient_clipping_records_the_clipped_grad(tmp_path):
         norms.append(float(nn.utils.clip_grad_norm_(model.parameters(), max_norm)))
         clipped.append(grads_of(model))
 
-    with upd.record(path, model, opt):
+    with upd.record(path, model, opt, every=1):
         train(model, opt, 4, before_step=clip)
     assert min(norms) > max_norm  # clipping really changed every step's gradient
     with upd.open_run(path) as run:
@@ -146,7 +146,7 @@ def test_gradient_accumulation_one_record_per_step(tmp_path):
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     accum, steps = 3, 4
     expected = []
-    with upd.record(path, model, opt):
+    with upd.record(path, model, opt, every=1):
         for s in range(steps):
             opt.zero_grad()
             total = {n: torch.zeros_like(p) for n, p in model.named_parameters()}
@@ -184,7 +184,7 @@ def test_nonfinite_grad_recorded_as_is_and_flagged(tmp_path):
             model[2].weight.grad[0, 0] = float("inf")
         seen.append(grads_of(model))
 
-    with upd.record(path, model, opt):
+    with upd.record(path, model, opt, every=1):
         train(model, opt, 4, before_step=poison)
     with upd.open_run(path) as run:
         w0 = run.param("0.weight")

@@ -39,7 +39,7 @@ def test_param_without_grad_has_no_row_at_those_records(tmp_path):
     model = Branchy()
     opt = torch.optim.Adam(model.parameters(), lr=1e-2)
     seen_grads, seen_params = [], []
-    with upd.record(path, model, opt):
+    with upd.record(path, model, opt, every=1):
         for s in range(6):
             opt.zero_grad()  # set_to_none: the unused branch has grad None on odd steps
             x, y = batch(s)
@@ -73,7 +73,7 @@ def _frozen_run(path=None):
     if path is None:
         train(model, opt, 4)
     else:
-        with upd.record(path, model, opt):
+        with upd.record(path, model, opt, every=1):
             train(model, opt, 4)
     return model, opt
 
@@ -99,7 +99,7 @@ def test_param_groups_with_different_hyperparameters(tmp_path):
     model = mlp(seed=3)
     opt = torch.optim.SGD([{"params": model[0].parameters(), "lr": 0.1},
                            {"params": model[2].parameters(), "lr": 0.01, "weight_decay": 0.1}], momentum=0.9)
-    with upd.record(path, model, opt):
+    with upd.record(path, model, opt, every=1):
         train(model, opt, 4)
     with upd.open_run(path) as run:
         groups = dict(zip(run.params()["param"], run.params()["group"]))
@@ -133,7 +133,7 @@ def test_add_param_group_mid_run(tmp_path):
     model = TwoPart()
     b_initial = model.b.weight.detach().clone()
     opt = torch.optim.Adam(model.a.parameters(), lr=1e-2)
-    with upd.record(path, model, opt):
+    with upd.record(path, model, opt, every=1):
         for s in range(6):
             if s == 3:
                 opt.add_param_group({"params": list(model.b.parameters()), "lr": 5e-3})
@@ -166,7 +166,7 @@ def test_two_optimizers_recorded_together(tmp_path):
     opt1 = torch.optim.SGD(model[0].parameters(), lr=0.05, momentum=0.9)
     opt2 = torch.optim.Adam(model[2].parameters(), lr=1e-2)
     head_grads = []
-    with upd.record(path, model, [opt1, opt2]):
+    with upd.record(path, model, [opt1, opt2], every=1):
         for s in range(6):
             opt1.zero_grad()
             opt2.zero_grad()
@@ -212,7 +212,7 @@ def test_tied_parameter_recorded_once(tmp_path):
     model = TiedLM()
     opt = torch.optim.Adam(model.parameters(), lr=1e-2)
     seen = []
-    with upd.record(path, model, opt):
+    with upd.record(path, model, opt, every=1):
         for s in range(3):
             g = torch.Generator().manual_seed(s)
             tokens = torch.randint(0, 10, (8,), generator=g)
@@ -238,7 +238,7 @@ def test_names_from_optimizer_param_names_without_model(tmp_path):
     path = tmp_path / "named.h5"
     model = mlp(seed=12)
     opt = torch.optim.Adam(model.named_parameters(), lr=1e-2)
-    with upd.record(path, optimizer=opt):
+    with upd.record(path, optimizer=opt, every=1):
         train(model, opt, 3)
     with upd.open_run(path) as run:
         assert sorted(run.params()["param"]) == ["0.bias", "0.weight", "2.bias", "2.weight"]
@@ -254,7 +254,7 @@ def test_names_for_a_plain_parameter_list(tmp_path):
     c = nn.Parameter(torch.randn(3))
     opt = torch.optim.SGD([{"params": [w, b]}, {"params": [c], "lr": 0.01}], lr=0.1)
     x = torch.randn(5, 4)
-    with upd.record(path, None, opt):
+    with upd.record(path, None, opt, every=1):
         for _ in range(3):
             opt.zero_grad()
             ((x @ w.T + b) * c).pow(2).mean().backward()
@@ -274,7 +274,7 @@ def test_cuda_params_recorded_as_cpu_copies(tmp_path):
     model = mlp(seed=16).cuda()
     opt = torch.optim.Adam(model.parameters(), lr=1e-2)
     grads = []
-    with upd.record(path, model, opt):
+    with upd.record(path, model, opt, every=1):
         for s in range(3):
             opt.zero_grad()
             x, y = batch(s)

@@ -23,7 +23,7 @@ class Wrapped(nn.Module):
 
 
 def _train(path, model, optimizer):
-    with upd.record(path, model, optimizer, strict=True):
+    with upd.record(path, model, optimizer, strict=True, every=1):
         for _ in range(2):
             model(torch.randn(4, 3)).sum().backward()
             optimizer.step()

@@ -187,7 +187,7 @@ def test_the_recorder_never_writes_through_a_symlink(tmp_path, dangling):
     model = torch.nn.Linear(3, 2)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     with pytest.raises(FileExistsError, match="symbolic link"):
-        upd.record(str(link), model, opt, overwrite=True)
+        upd.record(str(link), model, opt, overwrite=True, every=1)
     assert (target.read_text() == "precious\n") if not dangling else not target.exists()
     assert link.is_symlink()
 
@@ -256,7 +256,7 @@ def test_names_with_a_slash_or_a_bar_are_stored_reversibly(tmp_path):
     for name in names:
         model.register_parameter(name, torch.nn.Parameter(torch.randn(4, 3)))
     opt = torch.optim.Adam(model.parameters(), lr=1e-2)
-    with upd.record(path, model, opt):
+    with upd.record(path, model, opt, every=1):
         for _ in range(3):
             opt.zero_grad()
             sum((p ** 2).sum() for p in model.parameters()).backward()

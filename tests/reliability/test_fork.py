@@ -32,7 +32,7 @@ FORKS = textwrap.dedent("""
                     model(torch.randn(2, 4)).sum().backward(); opt.step(); opt.zero_grad()
             options = {"every": None, "stats_every": 1} if layout == "stats" else {}
             parent = os.getpid()
-            with upd.record(f"{out}/{layout}-{mode}.h5", model, opt, **options) as rec:
+            with upd.record(f"{out}/{layout}-{mode}.h5", model, opt, **{"every": 1, **options}) as rec:
                 train(3)
                 if mode == "pool":                      # terminate() at the block's end: SIGTERM to the workers
                     with multiprocessing.get_context("fork").Pool(2) as pool:
@@ -73,7 +73,7 @@ FORKS = textwrap.dedent("""
                 assert not rec.active
                 os._exit(0)
             if mode == "outlives":                      # the child holds no lock: the run can be resumed now
-                with upd.record(f"{out}/{layout}-{mode}.h5", model, opt, resume=True, strict=True, **options):
+                with upd.record(f"{out}/{layout}-{mode}.h5", model, opt, resume=True, strict=True, **{"every": 1, **options}):
                     train(2)
                 os.write(w, b"x")
                 assert os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]) == 0

@@ -43,12 +43,12 @@ def test_overwrite_never_truncates_a_live_run(tmp_path):
         opt = torch.optim.SGD(model.parameters(), lr=0.1)
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
-            second = upd.record(path, model, opt, overwrite=True)
+            second = upd.record(path, model, opt, overwrite=True, every=1)
         assert not second.active
         messages = [str(w.message) for w in caught if issubclass(w.category, upd.RecorderWarning)]
         assert len(messages) == 1 and "being written by another process" in messages[0], messages
         with pytest.raises(OSError, match="being written by another process"):
-            upd.record(path, model, opt, overwrite=True, strict=True)
+            upd.record(path, model, opt, overwrite=True, strict=True, every=1)
         assert os.path.getsize(path) >= size  # not truncated
     finally:
         open(path + ".stop", "w").close()
@@ -66,7 +66,7 @@ def test_overwrite_still_replaces_a_finished_run(tmp_path):
     model = torch.nn.Linear(4, 2)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     for steps in (3, 1):
-        with upd.record(path, model, opt, overwrite=True):
+        with upd.record(path, model, opt, overwrite=True, every=1):
             for _ in range(steps):
                 model(torch.randn(2, 4)).sum().backward()
                 opt.step()

@@ -39,7 +39,7 @@ def test_write_error_warns_once_and_training_continues(tmp_path, monkeypatch):
     opt = torch.optim.Adam(model.parameters(), lr=1e-2)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        with upd.record(path, model, opt) as rec:
+        with upd.record(path, model, opt, every=1) as rec:
             train(model, opt, 6)
     rec_warnings = [w for w in caught if issubclass(w.category, upd.RecorderWarning)]
     assert len(rec_warnings) == 1
@@ -74,7 +74,7 @@ def test_error_in_the_middle_of_a_record_leaves_only_committed_records(tmp_path,
     model = mlp(seed=15)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     with pytest.warns(upd.RecorderWarning, match="No space left on device"):
-        with upd.record(path, model, opt):
+        with upd.record(path, model, opt, every=1):
             train(model, opt, 4)
     with h5py.File(path, "r") as f:
         assert f[schema.RECORD_TABLE.at(schema.STEP, k=0)].shape == (2,)
@@ -94,7 +94,7 @@ def test_write_error_with_strict_propagates(tmp_path, monkeypatch):
     model = mlp(seed=15)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     with pytest.raises(OSError, match="No space left on device"):
-        with upd.record(path, model, opt, strict=True):
+        with upd.record(path, model, opt, strict=True, every=1):
             train(model, opt, 4)
     assert no_hooks_left(opt, model)
     with upd.open_run(path) as run:
@@ -109,7 +109,7 @@ def test_write_error_does_not_break_other_step_hooks(tmp_path, monkeypatch):
     user_calls = []
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", upd.RecorderWarning)
-        with upd.record(path, model, opt):
+        with upd.record(path, model, opt, every=1):
             opt.register_step_post_hook(lambda o, a, k: user_calls.append(1))  # e.g. an EMA or a logger
             train(model, opt, 4)  # must not raise
     assert len(user_calls) == 4

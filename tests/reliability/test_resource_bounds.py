@@ -155,7 +155,7 @@ def many_params_run(tmp_path_factory):
     model = torch.nn.Module()
     model.p = torch.nn.ParameterList([torch.nn.Parameter(torch.randn(1)) for _ in range(300)])
     opt = torch.optim.Adam(model.parameters(), lr=1e-3)
-    with upd.record(path, model, opt):
+    with upd.record(path, model, opt, every=1):
         for _ in range(3):
             opt.zero_grad()
             sum((p * p).sum() for p in model.p).backward()
@@ -206,7 +206,7 @@ def test_a_parameter_whose_gradient_is_missing_at_most_steps_still_reads(tmp_pat
     model.a = torch.nn.Parameter(torch.randn(64, 64))
     model.b = torch.nn.Parameter(torch.randn(64, 64))
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    with upd.record(path, model, opt):
+    with upd.record(path, model, opt, every=1):
         for step in range(80):
             opt.zero_grad()
             loss = (model.a ** 2).sum() + ((model.b ** 2).sum() if step == 79 else 0)

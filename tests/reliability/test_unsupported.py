@@ -13,7 +13,7 @@ from upd.runfile import schema
 def record_and_count_warnings(path, model, opt, steps, between=None, **options):
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        with upd.record(path, model, opt, **options) as rec:
+        with upd.record(path, model, opt, **{"every": 1, **options}) as rec:
             for step in range(steps):
                 if between is not None:
                     between(step)
@@ -47,7 +47,7 @@ def test_strict_raises_on_a_shape_change(tmp_path):
     model = nn.Sequential(nn.Linear(6, 4))
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     with pytest.raises(Exception):
-        with upd.record(str(tmp_path / "run.h5"), model, opt, strict=True):
+        with upd.record(str(tmp_path / "run.h5"), model, opt, strict=True, every=1):
             for step in range(3):
                 if step == 2:
                     model[0].bias.data = torch.zeros(5)
@@ -64,7 +64,7 @@ def test_meta_tensor_parameter_warns_once_and_training_goes_on(tmp_path):
     opt = torch.optim.SGD([*model.parameters(), ghost], lr=0.1)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        with upd.record(str(tmp_path / "run.h5"), model, opt) as rec:
+        with upd.record(str(tmp_path / "run.h5"), model, opt, every=1) as rec:
             for _ in range(3):
                 opt.zero_grad()
                 model(torch.randn(4, 6)).pow(2).mean().backward()
@@ -80,7 +80,7 @@ def test_complex_parameters_are_recorded_and_not_falsely_verified(tmp_path):
     weight = nn.Parameter(torch.randn(4, 3, dtype=torch.complex64))
     opt = torch.optim.Adam([weight], lr=1e-2)
     path = str(tmp_path / "run.h5")
-    with upd.record(path, optimizer=opt):
+    with upd.record(path, optimizer=opt, every=1):
         for _ in range(3):
             opt.zero_grad()
             (weight.abs() ** 2).sum().backward()
@@ -99,7 +99,7 @@ def test_missing_folders_are_created(tmp_path):
     model = nn.Linear(3, 1)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     path = tmp_path / "runs" / "exp1" / "run.h5"  # the README's first example records into runs/
-    with upd.record(str(path), model, opt):
+    with upd.record(str(path), model, opt, every=1):
         model(torch.randn(2, 3)).sum().backward()
         opt.step()
     assert upd.open_run(str(path)).optimizers[0].num_records == 1
@@ -116,7 +116,7 @@ def test_permission_denied_warns_and_training_goes_on(tmp_path, monkeypatch):
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        with upd.record(str(tmp_path / "run.h5"), model, opt) as rec:
+        with upd.record(str(tmp_path / "run.h5"), model, opt, every=1) as rec:
             for _ in range(3):
                 opt.zero_grad()
                 model(torch.randn(2, 3)).sum().backward()
@@ -125,7 +125,7 @@ def test_permission_denied_warns_and_training_goes_on(tmp_path, monkeypatch):
     assert len(warned) == 1 and "Permission denied" in str(warned[0].message)
     assert isinstance(rec.error, PermissionError) and not opt._optimizer_step_pre_hooks
     with pytest.raises(PermissionError):
-        upd.record(str(tmp_path / "run.h5"), model, opt, strict=True)
+        upd.record(str(tmp_path / "run.h5"), model, opt, strict=True, every=1)
 
 
 def test_run_file_deleted_while_recording(tmp_path):
@@ -158,7 +158,7 @@ def train_sparse_embedding(path, make_optimizer, steps=4, **options):
     grads = []
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        with upd.record(path, emb, opt, **options) as rec:
+        with upd.record(path, emb, opt, **{"every": 1, **options}) as rec:
             for _ in range(steps):
                 opt.zero_grad()
                 emb(LOOKUPS).pow(2).sum().backward()
@@ -230,7 +230,7 @@ def test_sparse_parameter_trained_with_sgd_recorded_densified(tmp_path, options)
     path = str(tmp_path / "run.h5")
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        with upd.record(path, optimizer=opt, **options) as rec:
+        with upd.record(path, optimizer=opt, **{"every": 1, **options}) as rec:
             for _ in range(4):
                 opt.zero_grad()
                 torch.sparse.mm(weight, x).pow(2).sum().backward()
@@ -297,7 +297,7 @@ def test_dtensor_parameters_warn_once_and_training_goes_on(tmp_path, cpu_mesh, p
     seen = []
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        with upd.record(path, model, opt, **options) as rec:
+        with upd.record(path, model, opt, **{"every": 1, **options}) as rec:
             for _ in range(3):
                 opt.zero_grad()
                 model(dtensor_input(cpu_mesh)).pow(2).mean().backward()
@@ -326,7 +326,7 @@ def test_dtensor_parameter_added_mid_run_stops_at_that_step(tmp_path, cpu_mesh):
     path = str(tmp_path / "run.h5")
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        with upd.record(path, model, opt) as rec:
+        with upd.record(path, model, opt, every=1) as rec:
             for step in range(5):
                 if step == 3:
                     opt.add_param_group({"params": [extra], "lr": 0.05})
@@ -346,7 +346,7 @@ def test_strict_raises_on_a_dtensor_parameter(tmp_path, cpu_mesh):
     model = distributed_linear(cpu_mesh, "replicate")
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     with pytest.raises(TypeError, match="DTensor"):
-        with upd.record(str(tmp_path / "run.h5"), model, opt, strict=True):
+        with upd.record(str(tmp_path / "run.h5"), model, opt, strict=True, every=1):
             opt.zero_grad()
             model(dtensor_input(cpu_mesh)).pow(2).mean().backward()
             partial_grad(model.weight, cpu_mesh)

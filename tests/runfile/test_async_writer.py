@@ -231,12 +231,12 @@ def resumed_run(path):
     torch.manual_seed(0)
     model = MLP()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    with upd.record(path, model, opt):
+    with upd.record(path, model, opt, every=1):
         train_steps(model, opt, steps=4, seed=1)
     model2 = MLP()
     model2.load_state_dict(model.state_dict())
     opt2 = torch.optim.SGD(model2.parameters(), lr=0.1)
-    with upd.record(path, model2, opt2, resume=True):  # SGD has no step state: last_step() numbers the steps
+    with upd.record(path, model2, opt2, resume=True, every=1):  # SGD has no step state: last_step() numbers the steps
         train_steps(model2, opt2, steps=3, seed=2)
     return path
 
@@ -252,7 +252,7 @@ def test_recorder_resume_through_async_writer(tmp_path, monkeypatch):
         assert list(run.optimizers[0].steps) == list(range(7))
     other = MLP()  # optimizer_meta() answers through the writer thread: the refusal still happens in record()
     with pytest.raises(ValueError, match="was torch.optim.SGD, now torch.optim.Adam"):
-        upd.record(async_path, other, torch.optim.Adam(other.parameters()), resume=True)
+        upd.record(async_path, other, torch.optim.Adam(other.parameters()), resume=True, every=1)
     assert created[-1].closed
 
 
@@ -516,7 +516,7 @@ def test_recorder_warns_once_and_training_goes_on(tmp_path, monkeypatch):
     model = MLP()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     with pytest.warns(RecorderWarning, match="no space left") as warned:
-        with upd.record(path, model, opt) as rec:
+        with upd.record(path, model, opt, every=1) as rec:
             train_steps(model, opt, steps=2)
             wait_for(lambda: rec._writer.error is not None)
             train_steps(model, opt, steps=3)  # the next step's write() raises: the recorder stops

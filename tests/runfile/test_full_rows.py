@@ -73,7 +73,7 @@ def test_rows_of_a_growing_run_are_the_tensors_of_their_records(tmp_path):
     seen = capture(opt)
     x, y = torch.randn(16, 8), torch.randn(16, 2)
     losses = []
-    with upd.record(path, model, opt):
+    with upd.record(path, model, opt, every=1):
         for step in range(5):
             if step == 2:  # a param group added mid-run: the lr table gains a column, new parameters gain groups
                 opt.add_param_group({"params": list(model[1].parameters()), "lr": LR_SECOND})
@@ -122,7 +122,7 @@ def test_a_resumed_recorder_appends_after_the_rows_of_a_failed_record(tmp_path, 
 
     monkeypatch.setattr(Rows, "write_tensor", write_tensor)
     with pytest.warns(upd.RecorderWarning, match="No space left on device"):
-        with upd.record(path, model, opt):
+        with upd.record(path, model, opt, every=1):
             for _ in range(3):
                 closure_step(model, opt, x, y)
     monkeypatch.setattr(Rows, "write_tensor", real)
@@ -130,7 +130,7 @@ def test_a_resumed_recorder_appends_after_the_rows_of_a_failed_record(tmp_path, 
         assert f[schema.PARAMETER.at(schema.KIND_PARAM, k=0, name="0.weight")].shape[0] == 3
     with warnings.catch_warnings():
         warnings.simplefilter("error", upd.RecorderWarning)
-        with upd.record(path, model, opt, resume=True):
+        with upd.record(path, model, opt, resume=True, every=1):
             for _ in range(2):
                 closure_step(model, opt, x, y)
 

@@ -372,7 +372,7 @@ def record_partition(path: str, world: int, include) -> str:
         torch.manual_seed(0)
         model = MLP()
         optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
-        with upd.record(rank_path(path, rank, world), model, optimizer, include=include(rank), stats_every=1):
+        with upd.record(rank_path(path, rank, world), model, optimizer, include=include(rank), stats_every=1, every=1):
             train_steps(model, optimizer, steps=3)
     return path
 

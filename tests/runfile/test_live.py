@@ -47,7 +47,7 @@ def test_training_process_reads_its_own_run(tmp_path):
     opt = torch.optim.Adam(model.parameters(), lr=1e-2)
     path = str(tmp_path / "run.h5")
     seen = []
-    with upd.record(path, model, opt, stats_every=1) as rec:
+    with upd.record(path, model, opt, stats_every=1, every=1) as rec:
         for _ in range(5):
             _train(model, opt, 3)
             with upd.open_run(path) as run:
@@ -69,7 +69,7 @@ def test_cli_on_a_live_run(tmp_path):
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     path = str(tmp_path / "run.h5")
     runner = CliRunner()
-    with upd.record(path, model, opt):
+    with upd.record(path, model, opt, every=1):
         _train(model, opt, 6)
         rec_deadline = time.monotonic() + 30
         while _records(path) < 6 and time.monotonic() < rec_deadline:  # the writer thread may still be catching up
@@ -163,13 +163,13 @@ def test_a_run_read_in_place_refuses_reads_once_a_recorder_resumes_it(tmp_path):
     model = MLP()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     path = str(tmp_path / "run.h5")
-    with upd.record(path, model, opt):
+    with upd.record(path, model, opt, every=1):
         _train(model, opt, 3)
     run = upd.open_run(path)
     try:
         assert not run.live
         before = run.param("fc1.weight").read("param")  # reads while nothing changed work
-        with upd.record(path, model, opt, resume=True):
+        with upd.record(path, model, opt, resume=True, every=1):
             _train(model, opt, 2)
             with pytest.raises(upd.RunFileError, match="changed after it was opened .* open it again"):
                 run.param("fc1.weight").read("param")

@@ -32,7 +32,7 @@ def record_varied(path: str, steps: int = STEPS, resume: bool = False) -> str:
     model.late = nn.Parameter(torch.randn(3, 2))
     opt = torch.optim.Adam([*model.net.parameters(), model.sometimes], lr=1e-2)
     g = torch.Generator().manual_seed(1)
-    with upd.record(path, model, opt, dtype="float16", overwrite=not resume, resume=resume):
+    with upd.record(path, model, opt, dtype="float16", overwrite=not resume, resume=resume, every=1):
         for step in range(steps):
             if step == 2:
                 opt.add_param_group({"params": [model.late], "lr": 1e-3})

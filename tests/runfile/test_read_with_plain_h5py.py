@@ -15,7 +15,7 @@ def test_seed_answer_adam_step_recomputed_by_hand_from_plain_h5py(tmp_path):
     model = nn.Sequential(nn.Linear(64, 20), nn.ReLU(), nn.Linear(20, 10))
     opt = torch.optim.Adam(model.parameters(), lr=1e-3)
     x, y = torch.randn(32, 64), torch.randn(32, 10)
-    with upd.record(path, model, opt):
+    with upd.record(path, model, opt, every=1):
         for _ in range(5):
             opt.zero_grad()
             nn.functional.mse_loss(model(x), y).backward()

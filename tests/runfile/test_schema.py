@@ -90,7 +90,7 @@ def full_run(tmp_path_factory):
     torch.manual_seed(0)
     model = MLP()
     opt = torch.optim.Adam([{"params": model.fc1.parameters()}], lr=1e-3)
-    with upd.record(path, model, opt, stats_every=1, dtype="bfloat16", flight_recorder=4) as rec:
+    with upd.record(path, model, opt, stats_every=1, dtype="bfloat16", flight_recorder=4, every=1) as rec:
         train_steps(model, opt, steps=2)
         opt.add_param_group({"params": model.fc2.parameters(), "lr": 1e-2})
         train_steps(model, opt, steps=2)

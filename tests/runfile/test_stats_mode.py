@@ -37,7 +37,7 @@ def train(path: str, steps: int = STEPS, **options) -> str:
                              {"params": biases, "weight_decay": 0.0, "betas": (0.8, 0.99)}], lr=0.01)
     schedule = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5)
     g = torch.Generator().manual_seed(1)
-    with upd.record(path, model, opt, **options):
+    with upd.record(path, model, opt, **{"every": 1, **options}):
         for _ in range(steps):
             for _ in range(2):
                 model(torch.randn(4, 5, generator=g)).pow(2).mean().backward()

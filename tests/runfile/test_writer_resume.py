@@ -16,7 +16,7 @@ def test_resuming_a_run_without_an_optional_column_keeps_recording(tmp_path):
     torch.manual_seed(0)
     model = MLP()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    with upd.record(path, model, opt):
+    with upd.record(path, model, opt, every=1):
         train_steps(model, opt, steps=2)
     optional = [d.name for d in schema.RECORD_TABLE.datasets if not d.required]
     assert optional == [schema.CLOSURE_LOSSES]
@@ -24,7 +24,7 @@ def test_resuming_a_run_without_an_optional_column_keeps_recording(tmp_path):
         del f[schema.RECORD_TABLE.at(schema.CLOSURE_LOSSES, k=0)]
     with warnings.catch_warnings():
         warnings.simplefilter("error", upd.RecorderWarning)  # before the fix: "recording ... stopped (KeyError)"
-        with upd.record(path, model, opt, resume=True):
+        with upd.record(path, model, opt, resume=True, every=1):
             train_steps(model, opt, steps=2)
     with upd.open_run(path) as run:
         opt_run = run.optimizers[0]

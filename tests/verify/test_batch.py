@@ -86,7 +86,7 @@ def _adamw_run(tmp_path, steps: int) -> str:
     model = MLP()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
     path = str(tmp_path / "run.h5")
-    with upd.record(path, model, opt):
+    with upd.record(path, model, opt, every=1):
         train_steps(model, opt, steps=steps)
     return path
 
@@ -117,7 +117,7 @@ def test_parameters_whose_scalar_state_differs_are_replayed_one_by_one(tmp_path,
     opt.step()
     assert not opt.state[model.fc2.weight]
     path = str(tmp_path / "run.h5")
-    with upd.record(path, model, opt):
+    with upd.record(path, model, opt, every=1):
         train_steps(model, opt, steps=4)
     report = upd.verify(path)
     assert report.exit_code == 0 and report.matched == 16, report.summary()

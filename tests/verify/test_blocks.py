@@ -113,7 +113,7 @@ def test_a_plugin_rule_gets_the_whole_tensor_unless_declared_elementwise(declare
     model = torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.Tanh(), torch.nn.Linear(8, 2))
     opt = NormalizedSGD(model.parameters(), lr=0.05)
     path = str(tmp_path / "run.h5")
-    with upd.record(path, model, opt):
+    with upd.record(path, model, opt, every=1):
         for _ in range(4):
             opt.zero_grad()
             model(torch.randn(16, 6)).pow(2).mean().backward()

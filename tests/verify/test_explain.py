@@ -16,7 +16,7 @@ def record_with_hook(tmp_path, make_opt, hook=None, after_step=None, steps=3, mo
     model = model or MLP()
     opt = make_opt(model)
     path = str(tmp_path / "run.h5")
-    with upd.record(path, model, opt):
+    with upd.record(path, model, opt, every=1):
         if hook is not None:
             opt.register_step_pre_hook(hook)  # runs after the recorder's pre-hook
         train_steps(model, opt, steps=steps, after_step=after_step)
@@ -142,7 +142,7 @@ def test_parameter_in_no_optimizer_is_reported(tmp_path):
     model = MLP()
     opt = torch.optim.SGD([model.fc1.weight, model.fc1.bias, model.fc2.bias], lr=0.1)  # fc2.weight forgotten
     path = str(tmp_path / "run.h5")
-    with upd.record(path, model, opt):
+    with upd.record(path, model, opt, every=1):
         train_steps(model, opt, steps=2)
     report = upd.verify(path)
     assert report.exit_code == 0

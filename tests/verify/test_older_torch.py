@@ -37,7 +37,7 @@ def test_their_rules_are_still_found_on_a_torch_that_has_them(tmp_path):
     weight = torch.nn.Parameter(torch.randn(6, 4))
     opt = torch.optim.Adafactor([weight], lr=1e-2)
     path = tmp_path / "adafactor.h5"
-    with upd.record(path, optimizer=opt):
+    with upd.record(path, optimizer=opt, every=1):
         for _ in range(3):
             opt.zero_grad()
             (weight ** 2).sum().backward()

@@ -106,7 +106,7 @@ def test_grad_scaled_after_the_recorder_hook_is_caught(tmp_path):
     model = MLP()
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     path = str(tmp_path / "run.h5")
-    with upd.record(path, model, opt):
+    with upd.record(path, model, opt, every=1):
         def halve(optimizer, args, kwargs):
             for group in optimizer.param_groups:
                 for p in group["params"]:
@@ -130,7 +130,7 @@ def test_parameter_changed_outside_the_optimizer_is_caught(tmp_path):
             with torch.no_grad():
                 model.fc1.weight.clamp_(-0.05, 0.05)
 
-    with upd.record(path, model, opt):
+    with upd.record(path, model, opt, every=1):
         train_steps(model, opt, steps=4, after_step=clamp)
     report = upd.verify(path)
     assert report.exit_code == EXIT_MISMATCH

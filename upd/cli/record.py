@@ -10,6 +10,7 @@ import click
 
 from ..launcher import env
 from ..recorder import options
+from ..recorder.cadence import AUTO
 from ..recorder.options import check_record_options
 from ..runfile import schema
 from .common import fail
@@ -29,13 +30,17 @@ Exit codes:
 
 
 class _Never(click.ParamType):
-    """A positive number of steps, or 'never' (None)."""
+    """A positive number of steps, or 'never' (None); with `auto`, also 'auto' (every='s default)."""
 
-    name = "N|never"
+    def __init__(self, auto: bool = False):
+        self.auto = auto
+        self.name = "N|never|auto" if auto else "N|never"
 
     def convert(self, value, param, ctx):
         if value is None or value == "never":
             return None
+        if self.auto and value == AUTO:
+            return AUTO
         try:
             number = int(value)
         except (TypeError, ValueError):
@@ -86,7 +91,8 @@ def _flag(field) -> click.Option:
     name, flag, kind = field.name, "--" + field.name.replace("_", "-"), field.metadata["kind"]
     common = dict(help=meta["help"], metavar=meta["metavar"] or None)
     if kind == options.STEPS_OR_NEVER:
-        return click.Option([flag], type=_Never(), default="never" if field.default is None else str(field.default),
+        return click.Option([flag], type=_Never(auto=field.default == AUTO),
+                            default="never" if field.default is None else str(field.default),
                             show_default=True, **common)
     if kind == options.COUNT:
         return click.Option([flag], type=int, default=None, **common)  # checked by upd.record's own checks

@@ -11,6 +11,7 @@ cadence that fits (``size_warning``). Figures for real models: docs/performance.
 """
 from __future__ import annotations
 
+AUTO = "auto"  # every='s default: full records at the first steps, then at the cadence default_every picks
 FIRST_FULL_STEPS = 2  # steps 0 and 1: a first step (no optimizer state yet) and one with state, both verifiable
 DEFAULT_EVERY = 100  # the densest default cadence of full records
 BUDGET_BYTES = 10**9  # full-record bytes per 1,000 steps above which a recording warns (and the default thins out)
@@ -51,6 +52,14 @@ def default_every(record_bytes: int) -> int:
     return CADENCES[-1]
 
 
+def full_record_cadence(every, record_bytes: int) -> tuple[int | None, int]:
+    """(every, first) for is_full_step: ``every=AUTO`` picks the cadence from one full record's bytes and records the
+    first FIRST_FULL_STEPS steps too; an explicit cadence (or None) is taken as given, without first steps."""
+    if every == AUTO:
+        return default_every(record_bytes), FIRST_FULL_STEPS
+    return every, 0
+
+
 def is_full_step(step: int, every: int | None, first: int = FIRST_FULL_STEPS) -> bool:
     """Whether optimizer step `step` (0-based) gets a full record: one of the first `first` steps, or a multiple of
     `every` (None: only the first steps)."""
@@ -66,7 +75,9 @@ def size_text(nbytes: float) -> str:
 
 def size_warning(record_bytes: int, every: int | None) -> str | None:
     """The one warning of a recording whose full records would exceed BUDGET_BYTES per 1,000 steps: the projected
-    size and the options that shrink it; None within the budget."""
+    size and the options that shrink it; None within the budget, and for AUTO (which picks a cadence within it)."""
+    if every == AUTO:
+        return None
     per_1000 = bytes_per_1000_steps(record_bytes, every)
     if per_1000 <= BUDGET_BYTES:
         return None

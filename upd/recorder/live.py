@@ -17,6 +17,7 @@ from ..sinks.feed import SINKS_JOB, SINKS_OWN, SinkFeed, close_unused, sink_prob
 from ..sinks.tensorboard import TensorBoard
 from . import distributed, job_scalars
 from .alerts import LiveAlerts
+from .cadence import AUTO
 from .job_scalars import JobScalars
 from .options import RecordOptions
 
@@ -33,9 +34,9 @@ def check_sinks(sinks) -> None:
 
 
 def recorded_stats_every(opts: RecordOptions) -> int | None:
-    """The statistics cadence recorded with: live values come from the statistics, at every step unless
-    ``stats_every`` says."""
-    return 1 if opts.live() and opts.stats_every is None else opts.stats_every
+    """The statistics cadence recorded with: at every step unless ``stats_every`` says, when live values need them
+    or ``every="auto"`` records full tensors only now and then."""
+    return 1 if (opts.live() or opts.every == AUTO) and opts.stats_every is None else opts.stats_every
 
 
 @dataclasses.dataclass(frozen=True)

@@ -17,6 +17,7 @@ from typing import Any, Sequence
 
 from ..alert_rules import AlertRules
 from ..runfile import schema
+from .cadence import AUTO
 
 ZERO_COUNT_KINDS = ("param", "grad", "update", "state")
 # The smallest stats_sample: below it a sample's std is off by more than a few percent (relative standard error
@@ -42,14 +43,21 @@ def option(default, help: str, kind: str, stored: bool = False, choices: Sequenc
 class RecordOptions:
     """The options of ``upd.record`` (``help(upd.record)`` explains each at length), in the README's order."""
 
-    every: int | None = option(1, "Full tensors every N-th optimizer step ('never': statistics or flight recorder "
-                                  "only).", STEPS_OR_NEVER, stored=True,
-        doc=('write the full tensors (parameter before and after, gradient, optimizer state) every N-th optimizer step'
-            ' (default 1: every step; None: never, e.g. with ``stats_every``).'))
-    stats_every: int | None = option(None, "Summary statistics every N-th step.", STEPS_OR_NEVER, stored=True,
+    every: int | str | None = option(AUTO, "Full tensors every N-th optimizer step ('auto': the first 2 steps, then "
+                                           "every 100 or more steps, as the model's size allows; 'never': statistics "
+                                           "or flight recorder only).", STEPS_OR_NEVER, stored=True,
+        doc=('write the full tensors (parameter before and after, gradient, optimizer state) every N-th optimizer step.'
+            ' Default ``"auto"``: at the first two steps (both verifiable: one from fresh optimizer state, one with '
+            'state) and then every 100th step, or every 200th, 500th, ... when that keeps full records under 1 GB '
+            'per 1,000 steps (each optimizer by the size of its own records; docs/performance.md, "Default '
+            'cadence"), with statistics at every step. ``1``: every step (a full record stores each parameter about '
+            'five times); an explicit cadence whose full records would exceed 1 GB per 1,000 steps warns once with '
+            'the projected size and the cadence that fits. ``None``: never, e.g. with ``stats_every``.'))
+    stats_every: int | None = option(None, "Summary statistics every N-th step (default: every step with --every auto "
+                                           "or live outputs, else never).", STEPS_OR_NEVER, stored=True,
         doc=('write summary statistics (mean, std, norm, abs max, zeros, NaN/Inf count of each parameter, gradient, '
             'update and state tensor; update:data and grad:data) every N-th step, computed on the training device '
-            'with one host copy per step (default None: never; 1 when ``tensorboard`` is given).'))
+            'with one host copy per step (default None: 1 with ``every="auto"``, live sinks or alerts, else never).'))
     sinks: Sequence = option((), "Live outputs beside the file (upd.sinks.Sink objects).", PYTHON_ONLY,
         doc=('live outputs beside the file, objects with ``write(steps)`` and ``close()`` (``upd.sinks.Sink``; '
             "``upd.sinks.TensorBoard``, or your own): each gets every statistics step's per-parameter statistics and "
@@ -211,14 +219,15 @@ def record_signature(*leading: inspect.Parameter) -> inspect.Signature:
                                           for f in fields())])
 
 
-def check_record_options(*, every=1, stats_every=None, full_stats_every=100, flight_recorder=None,
+def check_record_options(*, every=AUTO, stats_every=None, full_stats_every=100, flight_recorder=None,
                          spike_factor=10.0, what=schema.WHAT_CHOICES, dtype="keep", compression=None,
                          zero_counts=("grad",), tensorboard=None, overwrite=False, resume=False,
                          stats_sample=None, sinks=(), alerts=False) -> None:
     """Raise ValueError naming the first option upd.record would refuse; the defaults are upd.record's."""
-    for label, cadence in (("every", every), ("stats_every", stats_every), ("full_stats_every", full_stats_every)):
-        if cadence is not None and (not isinstance(cadence, int) or isinstance(cadence, bool) or cadence < 1):
-            raise ValueError(f"{label} must be a positive integer or None, got {cadence!r}")
+    if not (isinstance(every, str) and every == AUTO):
+        check_cadence("every", every, also=f', or "{AUTO}"')
+    check_cadence("stats_every", stats_every)
+    check_cadence("full_stats_every", full_stats_every)
     if stats_sample is not None and (not isinstance(stats_sample, int) or isinstance(stats_sample, bool)
                                      or stats_sample < MIN_STATS_SAMPLE):
         raise ValueError(f"stats_sample must be a number of elements >= {MIN_STATS_SAMPLE} or None (exact "
@@ -242,6 +251,11 @@ def check_record_options(*, every=1, stats_every=None, full_stats_every=100, fli
         raise ValueError(f"zero_counts= takes 'param', 'grad', 'update', 'state'; got {zero_counts!r}")
     if overwrite and resume:
         raise ValueError("pass overwrite=True or resume=True, not both")
+
+
+def check_cadence(label: str, cadence, also: str = "") -> None:
+    if cadence is not None and (not isinstance(cadence, int) or isinstance(cadence, bool) or cadence < 1):
+        raise ValueError(f"{label} must be a positive integer or None{also}, got {cadence!r}")
 
 
 def documented_options(indent: int = 8, width: int = 116) -> str:

@@ -30,6 +30,7 @@ from ..runfile.async_writer import AsyncRunWriter
 from . import distributed
 from .attaching import attach
 from .backward import BackwardCounts, eager
+from .cadence import size_warning
 from .flight_recorder import FlightRecorder
 from .grad_norms import queue_after_backward
 from .live import ALERTS_NOT_IN_SPLIT_JOB, LiveOutputs, check_sinks, live_role, recorded_stats_every
@@ -114,6 +115,9 @@ class Recorder:
         if unmatched:
             warnings.warn(f"torch-upd: {unmatched}: {self.path} will hold no parameter. Check the patterns (glob, on "
                           "these names).", RecorderWarning, stacklevel=3)
+        too_large = recording_here and size_warning(sum(t.full_record_bytes() for t in self._tracks), opts.every)
+        if too_large:
+            warnings.warn(f"torch-upd: {self.path}: {too_large}", RecorderWarning, stacklevel=3)
 
         self._live.wire(opts, role, self.rank_setup, self.stats_every, self._tracks, self._warn_sink,
                         self._warn_job_scalars)

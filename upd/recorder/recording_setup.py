@@ -68,7 +68,7 @@ def track_settings(opts: RecordOptions, stats_every: int | None, include: list, 
         stats_sample=None if rank_setup is not None else opts.stats_sample,
         what=opts.what, zero_counts=opts.zero_counts, include=include, exclude=exclude, rank_setup=rank_setup,
         keeps_every_step=opts.flight_recorder is not None, feeds_sinks=live.feeds_sinks and live.has_sinks,
-        shares_job_statistics=live.shares_job_statistics)
+        shares_job_statistics=live.shares_job_statistics, dtype=opts.dtype)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -19,6 +19,7 @@ from ..runfile import encoding, schema
 from ..runfile.record import ParamSnapshot, Record, ShardLayout, param_meta
 from . import distributed
 from .backward import BackwardCounts
+from .cadence import full_record_bytes, full_record_cadence, is_full_step, state_tensors
 from .device_stats import LeanStep, SnapshotPool, StepStatistics, element_count, lean_applies
 from .engines import LEAN, SAMPLED, StatisticsEngine, statistics_set
 from .grad_norms import TotalNorm, total_norm
@@ -49,11 +50,7 @@ class TrackSettings:
     keeps_every_step: bool  # a flight recorder: every step's full tensors are kept in memory
     feeds_sinks: bool  # this process feeds live sinks: a statistics step reads its scalars with it
     shares_job_statistics: bool  # a split job's live statistics: the parts' statistics are all-reduced after a step
-
-    def cadence(self, step: int) -> tuple[bool, bool]:
-        """(selected by every=, a statistics step) for an optimizer step."""
-        return (self.every is not None and step % self.every == 0,
-                self.stats_every is not None and step % self.stats_every == 0)
+    dtype: str = "keep"  # the full records' storage dtype (dtype=): what a full record of every= AUTO weighs
 
 
 @dataclasses.dataclass
@@ -131,6 +128,26 @@ class OptimizerTrack:
         self.sampled_pool: SampledPool | None = None  # the same, for statistics from samples (stats_sample)
         self._lean_plan: LeanPlan | None = None  # its lean steps' plan for the current layout
         self._job_slots: tuple[tuple, list[Slot]] | None = None  # (the job optimizer's layout, its slots)
+        # every= as this optimizer's steps take it (AUTO: from what one of its full records weighs, now)
+        self.full_every, self.first_full_steps = full_record_cadence(settings.every, self.full_record_bytes())
+
+    def cadence(self, step: int) -> tuple[bool, bool]:
+        """(a full record by every=, a statistics step) for an optimizer step."""
+        stats_every = self.settings.stats_every
+        return (is_full_step(step, self.full_every, self.first_full_steps),
+                stats_every is not None and step % stats_every == 0)
+
+    def full_record_bytes(self) -> int:
+        """What one full record of this optimizer stores (``cadence.full_record_bytes``), from its parameters now:
+        every= AUTO picks its cadence from it, and an explicit every= warns when it would fill the disk."""
+        what, settings = self.settings.what, self.settings
+        param_bytes = sum(p.numel() * encoding.storage_numpy_dtype(p.dtype, settings.dtype)[0].itemsize
+                          for g, group in enumerate(self.optimizer.param_groups)
+                          for i, p in enumerate(group["params"])
+                          if is_selected(self.names.name(p, g, i, group), settings.include, settings.exclude))
+        kinds = 2 * ("param" in what) + ("grad" in what)  # before and after the step, the gradient
+        state = state_tensors(type(self.optimizer).__name__) if "state" in what else 0
+        return full_record_bytes(param_bytes, state, kinds)
 
     # -- the run's metadata -------------------------------------------------------------------------------------
     def meta(self) -> dict:
@@ -142,6 +159,8 @@ class OptimizerTrack:
             "defaults": encoding.jsonable({k: v for k, v in opt.defaults.items() if k != "params"}),
             "initial_step": self.steps_done,
             "params": self.param_layout(),
+            # the steps with full records, as every= resolved for this optimizer (AUTO: by its records' size)
+            "full_records": {"every": self.full_every, "first_steps": self.first_full_steps},
         }
 
     def param_layout(self) -> list:
@@ -156,7 +175,7 @@ class OptimizerTrack:
     def backward_ended(self) -> None:
         """The end of a backward pass: the total gradient norm, when the next step is recorded, before anything
         between backward and step can change it."""
-        if any(self.settings.cadence(self.steps_done)):
+        if any(self.cadence(self.steps_done)):
             norm = self._total_norm(gradients(self.optimizer))
             if norm is not None:
                 self._backward_norm = norm
@@ -166,7 +185,7 @@ class OptimizerTrack:
         shows as the first smaller than the second); launched on the device, read with the step's scalars."""
         if self.settings.rank_setup is not None:
             return  # a rank's gradients are a part, or not yet reduced when its backward pass ends
-        if not any(self.settings.cadence(self.steps_done)):
+        if not any(self.cadence(self.steps_done)):
             return  # a step the flight recorder keeps in memory only: it writes nothing while training is healthy
         self._take_backward_norm()
         seen = total_norm(gradients(self.optimizer))
@@ -198,7 +217,7 @@ class OptimizerTrack:
                         self._shards[id(p)] = layout_of_part
                     self.backward.hook(p)
             self.layout = layout
-        selected = settings.every is not None and step % settings.every == 0
+        selected = self.cadence(step)[0]
         full = selected or settings.keeps_every_step  # the flight recorder keeps every step in memory
         engine = statistics_set(step, stats_every=settings.stats_every, full_stats_every=settings.full_stats_every,
                                 full_record=full, stats_sample=settings.stats_sample)

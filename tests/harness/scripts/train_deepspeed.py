@@ -61,7 +61,7 @@ def reference(name: str, path: str, **record_options) -> None:
 
     model = Block()
     optimizer = make_optimizer(name, model)
-    with upd.record(path, model, optimizer, strict=True, **record_options):
+    with upd.record(path, model, optimizer, strict=True, **{"every": 1, **record_options}):
         for step in range(STEPS):
             tokens, targets = batch(step)
             # The mean of the ranks' mean losses: what DeepSpeed's averaged gradient is the gradient of.
@@ -113,7 +113,7 @@ def run(out: str, config: str, rank: int, world: int) -> None:
         given = {"1": (model, optimizer), "3": (None, zero)}.get(stage, (engine, zero))
         sink = Collect()
         rec = upd.record(os.path.join(out, f"{config}.h5"), *given, stats_every=1,
-                         ranks="all" if name == "sgd" else None, sinks=[sink])
+                         ranks="all" if name == "sgd" else None, sinks=[sink], every=1)
     if rank == 0:
         with open(os.path.join(out, f"{config}.warnings.json"), "w") as f:
             json.dump([[w.category.__name__, str(w.message)] for w in caught], f)
@@ -149,7 +149,7 @@ def run_trainer(out: str, rank: int) -> None:
         os.path.join(out, "hf-trainer"), use_cpu=True, report_to="none", max_steps=STEPS,
         per_device_train_batch_size=2, max_grad_norm=CLIP, learning_rate=1e-2, logging_steps=1, save_strategy="no",
         disable_tqdm=True, deepspeed=ds_config, ddp_backend="gloo")
-    callback = UpdCallback(os.path.join(out, "hf.h5"), stats_every=1, strict=True)
+    callback = UpdCallback(os.path.join(out, "hf.h5"), stats_every=1, strict=True, every=1)
     trainer = transformers.Trainer(model=model, args=args, train_dataset=data, callbacks=[callback])
     trainer.train()
     if rank == 0:
