@@ -8,8 +8,10 @@ import shutil
 
 import h5py
 import pytest
+import torch
 from click.testing import CliRunner
 
+import upd
 from upd.cli.main import main
 from upd.replay import hparams
 from upd.runfile import schema
@@ -65,7 +67,6 @@ CASES = [
     ("lr = 1e400 (infinite)", dict(raw_lr="1e400"), "lr"),
     ("a boolean beta", dict(betas=[True, 0.999]), "betas[0]"),
     # numbers of the right kind in a range torch refuses (before: exit 1, a MISMATCH blamed on the run)
-    ("a negative lr", dict(lr=-1.0), "lr"),
     ("a negative eps", dict(eps=-1e-8), "eps"),
     ("a negative weight_decay", dict(weight_decay=-0.1), "weight_decay"),
 ]
@@ -85,6 +86,22 @@ def test_the_untouched_file_still_verifies(tmp_path):
     """The checks refuse only what is wrong: the same file, rewritten but unchanged, matches (exit 0)."""
     code, out, err = verify(crafted(tmp_path, betas=[0.9, 0.999]))
     assert code == 0, out + err
+
+
+def test_a_negative_lr_set_during_training_verifies(tmp_path):
+    """torch checks lr >= 0 only in the constructor: a run whose lr went below zero later (a schedule, a change by
+    hand) trained with it, and is verified as it ran, not refused as a broken file."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 3)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    with upd.record(tmp_path / "ascent.h5", model, opt, every=1):
+        for step in range(3):
+            opt.param_groups[0]["lr"] = 1e-2 if step == 0 else -1e-2
+            opt.zero_grad()
+            model(torch.randn(8, 4)).pow(2).mean().backward()
+            opt.step()
+    code, out, err = verify(str(tmp_path / "ascent.h5"))
+    assert code == 0 and "6 step-parameter checks matched" in out, out + err
 
 
 def test_values_are_converted_as_torch_takes_them():

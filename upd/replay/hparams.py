@@ -80,8 +80,9 @@ def _etas(field: str, value) -> tuple:
 # 2.x): a number outside is refused by torch, so it is the file's fault, never a mismatch. A field is listed only
 # where every optimizer that has it refuses the same values (RMSprop's alpha >= 0 is not ASGD's alpha: not listed).
 # betas ([0, 1)) and etas are checked by _betas and _etas.
+# Not lr: torch checks it only in the constructor, and a schedule or the user's own code that sets it below zero
+# later trains on with it (gradient ascent), so a recorded negative lr is a real run, which replays as any other.
 RANGES = {
-    "lr": (0.0, None),  # every optimizer
     "eps": (0.0, None),  # each of Adafactor's pair too
     "weight_decay": (0.0, None),
     "momentum": (0.0, None),  # SGD, RMSprop, Muon
