@@ -26,7 +26,7 @@ from upd.recorder import distributed
 from upd.replay.engine import EXIT_MATCH, EXIT_MISMATCH, replica_checks
 from upd.runfile import schema
 from upd.runfile.ranks import rank_files, rank_path
-from tests.harness.distributed import free_port, run_job
+from tests.harness.distributed import PRELOAD, free_port, run_job
 from tests.harness.training import MLP, train_steps
 
 NAMES = ["fc1.weight", "fc1.bias", "fc2.weight", "fc2.bias"]
@@ -289,7 +289,8 @@ def _kill_entry(rank: int, world_size: int, port: int, folder: str) -> None:
 
 @pytest.mark.slow
 def test_a_rank_killed_mid_run_leaves_the_other_files_intact(tmp_path):
-    ctx = mp.get_context("spawn")
+    mp.set_forkserver_preload(PRELOAD)  # forked from the harness's forkserver: no rank imports torch again
+    ctx = mp.get_context("forkserver")
     port = free_port()
     processes = [ctx.Process(target=_kill_entry, args=(rank, 2, port, str(tmp_path))) for rank in range(2)]
     for process in processes:
