@@ -106,7 +106,11 @@ def run_job(worker, world_size: int, *args, timeout: float = 120.0) -> list:
         return [results[r][1] for r in range(world_size)]
 
 
-def _script_entry(rank, world_size, port, script, args, environ, cwd):
+def _script_entry(rank, world_size, port, script, args, environ, cwd, output):
+    for fd, name in ((1, f"{output}.rank{rank}.out"), (2, f"{output}.rank{rank}.err")):
+        target = os.open(name, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+        os.dup2(target, fd)
+        os.close(target)
     os.environ.clear()
     os.environ.update(environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world_size))
@@ -116,21 +120,31 @@ def _script_entry(rank, world_size, port, script, args, environ, cwd):
     runpy.run_path(script, run_name="__main__")
 
 
-def run_script_job(script: str, *args: str, cwd: str, world_size: int = 2, timeout: float = 180.0) -> None:
+def run_script_job(script: str, *args: str, cwd: str, world_size: int = 2, timeout: float = 180.0) -> list:
     """The file `script` run as __main__ with `args` on world_size ranks forked from run_job's forkserver, each with
     the variables torchrun gives its workers (RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR/PORT: the
     script initialises its process group itself), from `cwd`. For a test whose subject is the job's files rather
-    than the launch: torchrun_script starts three processes that each import torch."""
+    than the launch: torchrun_script starts three processes that each import torch. Returns each rank's
+    (stdout, stderr)."""
+    import tempfile
+
     mp.set_forkserver_preload(PRELOAD)
-    context = mp.start_processes(_script_entry, args=(world_size, free_port(), script, args, dict(os.environ),
-                                                      str(cwd)),
-                                 nprocs=world_size, join=False, start_method="forkserver")
-    deadline = time.monotonic() + timeout
-    try:
-        while not context.join(timeout=1.0):
-            if time.monotonic() > deadline:
-                for process in context.processes:
-                    process.kill()
-                raise AssertionError(f"the job did not finish within {timeout:g} s")
-    except mp.ProcessException as exc:
-        raise AssertionError(f"a rank failed:\n{exc}") from None
+    with tempfile.TemporaryDirectory() as tmp:
+        output = os.path.join(tmp, "job")
+        context = mp.start_processes(_script_entry, args=(world_size, free_port(), script, args, dict(os.environ),
+                                                          str(cwd), output),
+                                     nprocs=world_size, join=False, start_method="forkserver")
+        deadline = time.monotonic() + timeout
+        try:
+            while not context.join(timeout=1.0):
+                if time.monotonic() > deadline:
+                    for process in context.processes:
+                        process.kill()
+                    raise AssertionError(f"the job did not finish within {timeout:g} s")
+        except mp.ProcessException as exc:
+            raise AssertionError(f"a rank failed:\n{exc}") from None
+        outputs = []
+        for rank in range(world_size):
+            with open(f"{output}.rank{rank}.out") as out, open(f"{output}.rank{rank}.err") as err:
+                outputs.append((out.read(), err.read()))
+        return outputs
