@@ -3,8 +3,9 @@ from parameter counts for GPT-2 small (124M).
 
     python -m benchmarks.default_cadence [--steps N]
 
-Records the reference transformer (benchmarks.overhead.gpt_workload, AdamW) twice for ``--steps`` steps with
-statistics at every step, once with full records at the first ``cadence.FIRST_FULL_STEPS`` steps: the difference is
+Records the reference transformer (benchmarks.overhead.gpt_workload, AdamW) twice for ``--steps`` steps (fewer than
+the default cadence's first multiple): with statistics only, and with the default options, which add full records
+at the first ``cadence.FIRST_FULL_STEPS`` steps: the difference is
 what those full records took (measured), against ``cadence.full_record_bytes`` (predicted); the first run's size per
 step is a statistics step's plus the file's fixed structure (an upper bound for short runs). The 124M figures scale the statistics by the number of tensors (a statistics row is a
 few numbers per tensor, whatever its size) and take the full record from ``full_record_bytes``.
@@ -23,15 +24,13 @@ GPT2_SMALL_PARAMS = 124_439_808  # GPT-2 small, tied embeddings (nanoGPT's count
 GPT2_SMALL_TENSORS = 148  # wte, wpe, 12 blocks of 12 (two LayerNorms, four Linears, each weight and bias), ln_f
 
 
-def recorded_size(steps: int, every: int | None, first: int) -> int:
-    """The closed run's bytes after `steps` steps of the reference transformer with statistics every step and full
-    records where cadence.is_full_step(step, every, first) says (set per step: the options do not have it yet)."""
+def recorded_size(steps: int, **options) -> int:
+    """The closed run's bytes after `steps` steps of the reference transformer recorded with `options`."""
     w = gpt_workload()
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, "run.h5")
-        with upd.record(path, w.model, w.opt, every=None, stats_every=1) as rec:
-            for step in range(steps):
-                rec.every = 1 if cadence.is_full_step(step, every, first) else None
+        with upd.record(path, w.model, w.opt, **options):
+            for _ in range(steps):
                 w.forward_backward()
                 w.opt.step()
         return os.path.getsize(path)
@@ -41,8 +40,8 @@ def measure(steps: int) -> dict:
     w = gpt_workload()
     param_bytes = sum(p.numel() * p.element_size() for p in w.params)
     predicted = cadence.full_record_bytes(param_bytes, cadence.state_tensors(type(w.opt).__name__))
-    stats_only = recorded_size(steps, None, 0)
-    with_first = recorded_size(steps, None, cadence.FIRST_FULL_STEPS)
+    stats_only = recorded_size(steps, every=None, stats_every=1)
+    with_first = recorded_size(steps)  # the default: statistics at every step, full records at the first steps
     return {"params": w.numel, "tensors": len(w.params), "predicted_record": predicted, "every": cadence.default_every(predicted),
             "stats_step": stats_only / steps, "full_record": (with_first - stats_only) / cadence.FIRST_FULL_STEPS,
             "steps": steps}

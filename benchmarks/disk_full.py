@@ -69,7 +69,7 @@ COST = textwrap.dedent("""
     torch.manual_seed(0)
     model = torch.nn.Sequential(*[torch.nn.Linear(1024, 1024) for _ in range(4)])
     opt = torch.optim.Adam(model.parameters(), lr=1e-3)
-    with upd.record(sys.argv[1], model, opt, overwrite=True):
+    with upd.record(sys.argv[1], model, opt, every=1, overwrite=True):
         for _ in range(12):
             model(torch.randn(8, 1024)).pow(2).mean().backward()
             opt.step(); opt.zero_grad()

@@ -73,7 +73,7 @@ def test_info_says_when_a_run_was_not_closed(tmp_path):
     path = tmp_path / "crashed.h5"
     script = ("import os, torch, upd\nfrom tests.harness.training import MLP, train_steps\n"
               "m = MLP(); o = torch.optim.SGD(m.parameters(), lr=0.1)\n"
-              f"rec = upd.record({str(path)!r}, m, o)\ntrain_steps(m, o, steps=2)\nos._exit(0)\n")
+              f"rec = upd.record({str(path)!r}, m, o, every=1)\ntrain_steps(m, o, steps=2)\nos._exit(0)\n")
     subprocess.run([sys.executable, "-c", script], check=True, env=dict(os.environ, PYTHONPATH=REPO_ROOT),
                    timeout=120)
     code, out = cli("info", path)

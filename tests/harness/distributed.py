@@ -55,7 +55,7 @@ def record_references(folder, optimizers: dict, make_model, train, **record_opti
         model = make_model()
         optimizer = make(model.parameters())
         paths[name] = os.path.join(str(folder), f"{name}.h5")
-        with upd.record(paths[name], model, optimizer, strict=True, **record_options):
+        with upd.record(paths[name], model, optimizer, strict=True, **{"every": 1, **record_options}):
             train(model, optimizer, slice(None))
     return paths
 

@@ -22,7 +22,7 @@ CHILD = textwrap.dedent("""
     torch.manual_seed(0)
     model = torch.nn.Sequential(*[torch.nn.Linear(32, 32) for _ in range(20)])
     opt = torch.optim.Adam(model.parameters(), lr=1e-3)
-    rec = upd.record(sys.argv[1], model, opt, stats_every=1)
+    rec = upd.record(sys.argv[1], model, opt, every=1, stats_every=1)
     print("started", flush=True)
     for step in range(100000):
         model(torch.randn(8, 32)).pow(2).mean().backward()

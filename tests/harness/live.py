@@ -24,7 +24,7 @@ CHILD = textwrap.dedent("""
     width, pause, steps = int(sys.argv[2]), float(sys.argv[3]), int(sys.argv[4])
     model = torch.nn.Sequential(*[torch.nn.Linear(width, width) for _ in range(20)])
     opt = torch.optim.Adam(model.parameters(), lr=1e-3)
-    rec = upd.record(sys.argv[1], model, opt)
+    rec = upd.record(sys.argv[1], model, opt, every=1)
     print("started", flush=True)
     for step in range(steps):
         model(torch.randn(8, width)).pow(2).mean().backward()

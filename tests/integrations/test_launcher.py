@@ -124,7 +124,8 @@ def test_the_recipe_records_a_script_that_never_imports_upd(tmp_path):
 def test_a_script_that_compiles_replaces_its_optimizer_and_exits_3(tmp_path):
     """Exit status 3 passes through; torch.compile's prefix is not in the names; the optimizer made at step 3 goes
     into the run's second part; both parts are closed and verify."""
-    result = upd_record(["run.h5"], python("train_mlp.py", "--compile", "--restart-at", "3", "--exit-code", "3"),
+    result = upd_record(["run.h5", "--every", "1"],
+                        python("train_mlp.py", "--compile", "--restart-at", "3", "--exit-code", "3"),
                         tmp_path)
     assert result.returncode == 3, result.stderr
     assert result.stdout.startswith("final loss") and "RecorderWarning" not in result.stderr
@@ -147,7 +148,7 @@ def test_two_optimizers_are_both_in_the_run(tmp_path):
     (tmp_path / "gan.h5").write_bytes(b"an earlier run")
     (tmp_path / "gan.part2.h5").write_bytes(b"its second part")
     (tmp_path / "gan-notes.txt").write_text("not the run's")
-    result = upd_record(["gan.h5", "--overwrite"], python("train_gan.py"), tmp_path)
+    result = upd_record(["gan.h5", "--every", "1", "--overwrite"], python("train_gan.py"), tmp_path)
     assert result.returncode == 0, result.stderr
     assert sorted(os.listdir(tmp_path)) == ["gan-notes.txt", "gan.h5"]
     path = tmp_path / "gan.h5"
@@ -190,7 +191,7 @@ def test_torchrun_ddp_job_records_one_file_per_rank(tmp_path):
     torchrun = shutil.which("torchrun", path=os.path.dirname(sys.executable))
     launch = [torchrun] if torchrun else [sys.executable, "-m", "torch.distributed.run"]
     command = [*launch, "--standalone", "--nproc_per_node", "2", script("train_ddp.py")]
-    result = upd_record(["ddp.h5", "--ranks", "all"], command, tmp_path)
+    result = upd_record(["ddp.h5", "--every", "1", "--ranks", "all"], command, tmp_path)
     assert result.returncode == 0, result.stderr
     assert sorted(re.findall(r"rank \d", result.stdout)) == ["rank 0", "rank 1"]
     assert sorted(os.listdir(tmp_path)) == ["ddp.rank0-of-2.h5", "ddp.rank1-of-2.h5"]
@@ -259,7 +260,8 @@ def test_spawned_workers_each_take_a_part_and_the_parent_that_never_trains_none(
     (own / "sitecustomize.py").write_text(
         f"import os, sys\nif {env.ENV_VAR!r} in os.environ:\n"
         f"    open(os.path.join({str(ran)!r}, str(os.getpid())), 'w').write(repr(sys.argv))\n")
-    result = upd_record(["sweep.h5"], python("train_workers.py"), work, env={**os.environ, "PYTHONPATH": str(own)})
+    result = upd_record(["sweep.h5", "--every", "1"], python("train_workers.py"), work,
+                        env={**os.environ, "PYTHONPATH": str(own)})
     assert (result.returncode, result.stdout, result.stderr) == (0, "workers done\n", "")
     assert sorted(os.listdir(work)) == ["sweep.h5", "sweep.part2.h5"]
     argvs = [(ran / pid).read_text() for pid in os.listdir(ran)]

@@ -283,7 +283,7 @@ from upd.integrations.lightning import UpdCallback
 from tests.integrations.test_lightning import Tiny, data
 trainer = pl.Trainer(max_steps=3, accelerator="cpu", devices=2, strategy="ddp", enable_progress_bar=False,
                      enable_model_summary=False, enable_checkpointing=False, logger=False,
-                     default_root_dir=sys.argv[1], callbacks=[UpdCallback()])
+                     default_root_dir=sys.argv[1], callbacks=[UpdCallback(every=1)])
 trainer.fit(Tiny(), data())
 assert torch.distributed.get_world_size() == 2 and trainer.global_step == 3
 '''

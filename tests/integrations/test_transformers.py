@@ -211,7 +211,7 @@ tokens = torch.randint(0, 64, (24, 16), generator=torch.Generator().manual_seed(
 args = transformers.TrainingArguments(sys.argv[1], use_cpu=True, report_to="none", max_steps=3,
                                       per_device_train_batch_size=2, logging_steps=1, save_strategy="no",
                                       disable_tqdm=True, ddp_backend="gloo")
-trainer = transformers.Trainer(model=model, args=args, callbacks=[UpdCallback()],
+trainer = transformers.Trainer(model=model, args=args, callbacks=[UpdCallback(every=1)],
                                train_dataset=[{"input_ids": t, "labels": t} for t in tokens])
 trainer.train()
 assert torch.distributed.get_world_size() == 2 and trainer.state.global_step == 3

@@ -19,7 +19,7 @@ LIVE = textwrap.dedent("""
     path = sys.argv[1]
     model = torch.nn.Linear(4, 2); opt = torch.optim.SGD(model.parameters(), lr=0.1)
     deadline = time.monotonic() + 60
-    with upd.record(path, model, opt) as rec:
+    with upd.record(path, model, opt, every=1) as rec:
         step = 0
         while not os.path.exists(path + ".stop") and time.monotonic() < deadline:
             model(torch.randn(2, 4)).sum().backward(); opt.step(); opt.zero_grad()

@@ -24,7 +24,7 @@ TRAIN = textwrap.dedent("""
             open(sys.argv[1] + ".user", "w").write("called")
             sys.exit(7)
         signal.signal(signal.SIGTERM, handler)
-    rec = upd.record(sys.argv[1], model, opt)          # no `with`: the exit paths must close it
+    rec = upd.record(sys.argv[1], model, opt, every=1)        # no `with`: the exit paths must close it
     for step in range(100000):
         model(torch.randn(4, 8)).pow(2).mean().backward()
         opt.step(); opt.zero_grad()
@@ -91,7 +91,7 @@ SIGTERM_INSIDE_A_HOOK = textwrap.dedent("""
     from upd import lifetime
     model = torch.nn.Linear(4, 2)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    rec = upd.record(sys.argv[1], model, opt)
+    rec = upd.record(sys.argv[1], model, opt, every=1)
     model(torch.randn(2, 4)).sum().backward()
     opt.step()
     with lifetime.signals_deferred(rec):  # as inside the recorder's hook
@@ -125,10 +125,10 @@ EXIT_WITH_EVERYTHING_OPEN = textwrap.dedent("""
         for _ in range(steps):
             model(torch.randn(2, 4)).sum().backward()
             opt.step(); opt.zero_grad()
-    with upd.record(finished, model, opt):
+    with upd.record(finished, model, opt, every=1):
         train(2)
     run = upd.open_run(finished)                    # a run open for reading
-    rec = upd.record(recording, model, opt)         # a recorder
+    rec = upd.record(recording, model, opt, every=1)       # a recorder
     train(3)
     writer = AsyncRunWriter(writing, {}, overwrite=False, storage_dtype="keep", compression=None)
     writer.add_optimizer(0, {})                     # a writer of its own

@@ -93,7 +93,7 @@ def _flag(field) -> click.Option:
     if kind == options.STEPS_OR_NEVER:
         return click.Option([flag], type=_Never(auto=field.default == AUTO),
                             default="never" if field.default is None else str(field.default),
-                            show_default=True, **common)
+                            show_default="(default:" not in meta["help"], **common)  # or the help says it
     if kind == options.COUNT:
         return click.Option([flag], type=int, default=None, **common)  # checked by upd.record's own checks
     if kind == options.FACTOR:
