@@ -189,3 +189,23 @@ def perturbation_caught(case, src: str, kind: str, folder) -> tuple[bool, str]:
     report = upd.verify(path)
     bad = report.checks[report.checks["status"] == "mismatch"]
     return report.exit_code == 1 and record in set(bad["record"]), report.summary()
+
+
+def matrix_tests(cases) -> tuple:
+    """(the `recorded` fixture, test_verify_passes, test_verify_fails_on_perturbation) for `cases`, for a test module
+    to bind at module level: one module per group of optimizers, since xdist's --dist loadfile runs a module on one
+    worker and the whole matrix on one would be the suite's longest tail."""
+    @pytest.fixture(scope="module")
+    def recorded(tmp_path_factory):
+        return recorded_cases(tmp_path_factory)
+
+    @pytest.mark.parametrize("case", passes_params(cases))
+    def test_verify_passes(case, recorded):
+        check_verify_passes(case, recorded(case))
+
+    @pytest.mark.parametrize("case, kind", perturbation_params(cases))
+    def test_verify_fails_on_perturbation(case, kind, recorded, tmp_path):
+        caught, summary = perturbation_caught(case, recorded(case), kind, tmp_path)
+        assert caught, summary
+
+    return recorded, test_verify_passes, test_verify_fails_on_perturbation
