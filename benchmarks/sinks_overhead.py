@@ -230,7 +230,7 @@ def report(o: dict) -> str:
                          f"= {ms / plain * 100:.1f}% of the plain step")
     v = o["variants"]
     watch = v.get("watch", {}).get("cpu_ratio")
-    for name in ("upd_wandb", "upd_mlflow", "upd_mlflow10"):
+    for name in ("upd_tb", "upd_wandb", "upd_mlflow", "upd_mlflow10"):
         if name in v and watch:
             s = v[name]["cpu_ratio"] - 1
             lines.append(f"\n{name}: overhead {s * 100:+.1f}% vs wandb.watch {(watch - 1) * 100:+.1f}% "
@@ -255,6 +255,7 @@ def main(argv=None) -> int:
     import wandb
 
     from upd.sinks.mlflow import MLflow
+    from upd.sinks.tensorboard import TensorBoard
     from upd.sinks.wandb import WandB
     run = wandb.init(project="upd-bench", dir=folder)
     mlflow_uri = "sqlite:///" + os.path.join(folder, "mlflow.db")
@@ -269,7 +270,9 @@ def main(argv=None) -> int:
                 steps = max(8, steps // 3)
             variants = [Plain(), Watch(run), HandTensorBoard(), Recorded("upd_stats", "upd statistics, no sink")]
             if LIVE_SINKS:
-                variants += [Recorded("upd_wandb", "upd statistics + W&B sink", make["W&B"]),
+                variants += [Recorded("upd_tb", "upd statistics + TensorBoard sink (tensorboard=)",
+                                      lambda: TensorBoard(os.path.join(folder, "upd-tb"))),
+                             Recorded("upd_wandb", "upd statistics + W&B sink", make["W&B"]),
                              Recorded("upd_mlflow", "upd statistics + MLflow sink", make["MLflow"]),
                              Recorded("upd_mlflow10", "upd statistics + MLflow sink, every=10",
                                       lambda: MLflow(tracking_uri=mlflow_uri, run_name="bench", every=10))]
