@@ -145,6 +145,7 @@ def test_histograms_each_weight_its_own_range_at_first_middle_last(tmp_path):
 def test_compared_steps_and_their_description():
     assert compared_steps(np.arange(20)) == [0, 9, 19]
     assert compared_steps(np.array([0])) == [0]
+    assert compared_steps(np.array([0, 1, 100, 200])) == [0, 100, 200]  # the default cadence: the middle by step
     assert compared_steps(np.arange(20), 7) == [7]
     with pytest.raises(ValueError, match=r"step 999.*steps 0\.\.19"):
         compared_steps(np.arange(20), 999)

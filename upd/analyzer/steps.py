@@ -32,7 +32,8 @@ def full_record_steps(run, keys, kinds=HISTOGRAM_KINDS) -> np.ndarray:
 
 def compared_steps(available, step: int | None = None) -> list[int]:
     """The steps the histograms compare: `step` alone when given (ValueError unless it is among `available`,
-    naming the valid ones), else the first, middle and last available."""
+    naming the valid ones), else the first, the one nearest the middle step and the last available (by step, not by
+    position: the default cadence's records at steps 0, 1, 100, 200 compare 0, 100 and 200)."""
     available = np.asarray(available, dtype=np.int64)
     if step is not None:
         if int(step) not in set(available.tolist()):
@@ -42,7 +43,8 @@ def compared_steps(available, step: int | None = None) -> list[int]:
         return [int(step)]
     if not len(available):
         return []
-    picks = [available[0], available[(len(available) - 1) // 2], available[-1]]
+    middle = available[int(np.argmin(np.abs(2 * available - (available[0] + available[-1]))))]
+    picks = [available[0], middle, available[-1]]
     return sorted({int(s) for s in picks})
 
 
