@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import tempfile
 import time
 
@@ -24,7 +23,7 @@ import torch
 import torch.nn.functional as F
 
 import upd
-from benchmarks.distributed_overhead import TinyGPT, alternating_rounds
+from benchmarks.distributed_overhead import TinyGPT, alternating_rounds, print_ratios
 from tests.harness.distributed import run_job
 
 
@@ -80,14 +79,7 @@ def main() -> None:
     print(f"DeepSpeed ZeRO-2 TinyGPT ({results[0]['params'] / 1e6:.2f}M parameters), {args.ranks} ranks (gloo, CPU), "
           f"AdamW in {args.groups} param group(s), {args.rounds} rounds x {args.steps} steps per variant; "
           f"load average {os.getloadavg()[0]:.2f}")
-    print("statistics mode / unrecorded, median step time, median over rounds [min, max]:")
-    everything = []
-    for r in results:
-        everything += r["ratios"]
-        print(f"  rank {r['rank']}: {statistics.median(r['ratios']):.3f} "
-              f"[{min(r['ratios']):.3f}, {max(r['ratios']):.3f}]; unrecorded step "
-              f"{1e3 * statistics.median(r['plain_step_s']):.1f} ms")
-    print(f"  all ranks: {statistics.median(everything):.3f}")
+    print_ratios(results)
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"ranks": args.ranks, "groups": args.groups, "results": results}, f, indent=2)

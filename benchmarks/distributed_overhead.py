@@ -108,6 +108,18 @@ def alternating_rounds(block_times, rounds: int, recording, folder: str) -> tupl
     return ratios, plain_medians
 
 
+def print_ratios(results: list) -> None:
+    """Each rank's statistics-mode ratios (alternating_rounds), then all ranks'."""
+    print("statistics mode / unrecorded, median step time, median over rounds [min, max]:")
+    everything = []
+    for r in results:
+        everything += r["ratios"]
+        print(f"  rank {r['rank']}: {statistics.median(r['ratios']):.3f} "
+              f"[{min(r['ratios']):.3f}, {max(r['ratios']):.3f}]; unrecorded step "
+              f"{1e3 * statistics.median(r['plain_step_s']):.1f} ms")
+    print(f"  all ranks: {statistics.median(everything):.3f}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--ranks", type=int, default=2)
@@ -119,14 +131,7 @@ def main() -> None:
         results = run_job(_worker, args.ranks, args.rounds, args.steps, folder, timeout=3600)
     print(f"FSDP2 TinyGPT ({results[0]['params'] / 1e6:.2f}M parameters), {args.ranks} ranks (gloo, CPU), AdamW, "
           f"{args.rounds} rounds x {args.steps} steps per variant; load average {os.getloadavg()[0]:.2f}")
-    print("statistics mode / unrecorded, median step time, median over rounds [min, max]:")
-    everything = []
-    for r in results:
-        everything += r["ratios"]
-        print(f"  rank {r['rank']}: {statistics.median(r['ratios']):.3f} "
-              f"[{min(r['ratios']):.3f}, {max(r['ratios']):.3f}]; unrecorded step "
-              f"{1e3 * statistics.median(r['plain_step_s']):.1f} ms")
-    print(f"  all ranks: {statistics.median(everything):.3f}")
+    print_ratios(results)
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"ranks": args.ranks, "results": results}, f, indent=2)

@@ -84,6 +84,16 @@ def _entry(rank, world_size, port, worker, args, results, environ=None, cwd=None
         dist.destroy_process_group()
 
 
+def _join_within(context, timeout: float) -> None:
+    """Wait for every process of `context` (mp.start_processes); kill them all and fail past `timeout` seconds."""
+    deadline = time.monotonic() + timeout
+    while not context.join(timeout=1.0):
+        if time.monotonic() > deadline:
+            for process in context.processes:
+                process.kill()
+            raise AssertionError(f"the job did not finish within {timeout:g} s")
+
+
 def run_job(worker, world_size: int, *args, timeout: float = 120.0) -> list:
     """Run worker(rank, world_size, *args) on world_size gloo processes; the workers' return values by rank."""
     ctx = mp.get_context("spawn")
@@ -93,13 +103,8 @@ def run_job(worker, world_size: int, *args, timeout: float = 120.0) -> list:
         context = mp.start_processes(_entry, args=(world_size, free_port(), worker, args, results, dict(os.environ),
                                                    os.getcwd()),
                                      nprocs=world_size, join=False, start_method="forkserver")
-        deadline = time.monotonic() + timeout
         try:
-            while not context.join(timeout=1.0):
-                if time.monotonic() > deadline:
-                    for process in context.processes:
-                        process.kill()
-                    raise AssertionError(f"the job did not finish within {timeout:g} s")
+            _join_within(context, timeout)
         except mp.ProcessRaisedException as exc:
             errors = [v[1] for v in results.values() if v[0] == "error"]
             raise AssertionError("a worker failed:\n" + ("\n".join(errors) or str(exc))) from None
@@ -134,13 +139,8 @@ def run_script_job(script: str, *args: str, cwd: str, world_size: int = 2, timeo
         context = mp.start_processes(_script_entry, args=(world_size, free_port(), script, args, dict(os.environ),
                                                           str(cwd), output),
                                      nprocs=world_size, join=False, start_method="forkserver")
-        deadline = time.monotonic() + timeout
         try:
-            while not context.join(timeout=1.0):
-                if time.monotonic() > deadline:
-                    for process in context.processes:
-                        process.kill()
-                    raise AssertionError(f"the job did not finish within {timeout:g} s")
+            _join_within(context, timeout)
         except mp.ProcessException as exc:
             raise AssertionError(f"a rank failed:\n{exc}") from None
         outputs = []

@@ -48,19 +48,7 @@ def tracker_env(tmp_path_factory):
 def recorded(tmp_path_factory):
     """A real training run (Adam on a small MLP, the loss logged, statistics every step, full records every 5th):
     its path, ratios and scalars."""
-    path = str(tmp_path_factory.mktemp("run") / "run.h5")
-    torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 2))
-    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
-    g = torch.Generator().manual_seed(0)
-    with upd.record(path, model, opt, every=5, stats_every=1) as rec:
-        for _ in range(STEPS):
-            x, y = torch.randn(16, 8, generator=g), torch.randn(16, 2, generator=g)
-            loss = nn.functional.mse_loss(model(x), y)
-            rec.log(loss=loss)
-            opt.zero_grad()
-            loss.backward()
-            opt.step()
+    path = train_live(str(tmp_path_factory.mktemp("run") / "run.h5"), (), STEPS, every=5, stats_every=1)
     with upd.open_run(path) as run:
         return {"path": path, "ratios": run.ratios(), "scalars": run.scalars()}
 
@@ -224,12 +212,13 @@ def test_a_missing_package_is_one_message_naming_the_install(tracker, recorded, 
 LIVE_STEPS = 70  # more than one of the writer thread's batches (64 steps)
 
 
-def train_live(path, sinks, steps=LIVE_STEPS):
+def train_live(path, sinks, steps=LIVE_STEPS, **options):
+    """A small real run recorded to `path` with `sinks` (full records every 10th step unless `options` say)."""
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 2))
     opt = torch.optim.Adam(model.parameters(), lr=1e-2)
     g = torch.Generator().manual_seed(0)
-    with upd.record(path, model, opt, every=10, sinks=sinks) as rec:
+    with upd.record(path, model, opt, sinks=sinks, **{"every": 10, **options}) as rec:
         for _ in range(steps):
             x, y = torch.randn(16, 8, generator=g), torch.randn(16, 2, generator=g)
             loss = nn.functional.mse_loss(model(x), y)
