@@ -41,7 +41,7 @@ def record_many_params(path: str, count: int) -> None:
     model = torch.nn.Module()
     model.p = torch.nn.ParameterList([torch.nn.Parameter(torch.randn(1)) for _ in range(count)])
     opt = torch.optim.Adam(model.parameters(), lr=1e-3)
-    with upd.record(path, model, opt, overwrite=True):
+    with upd.record(path, model, opt, every=1, overwrite=True):
         for _ in range(3):
             opt.zero_grad()
             sum((p * p).sum() for p in model.p).backward()
@@ -55,7 +55,7 @@ def record_big_param(path: str, shape: tuple) -> None:
     model = torch.nn.Module()
     model.w = torch.nn.Parameter(torch.randn(*shape) * 0.02)
     opt = torch.optim.SGD(model.parameters(), lr=1e-2)
-    with upd.record(path, model, opt, overwrite=True):
+    with upd.record(path, model, opt, every=1, overwrite=True):
         for _ in range(3):
             opt.zero_grad()
             (model.w * model.w).sum().backward()

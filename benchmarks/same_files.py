@@ -101,7 +101,7 @@ def record_all(out: str) -> None:
             opts = [torch.optim.Adam(m[0].parameters(), lr=1e-2), torch.optim.SGD(m[2].parameters(), lr=0.1, momentum=0.9)]
         else:
             opts = [torch.optim.Adam(m.parameters(), lr=1e-2)]
-        with upd.record(f"{out}/{name}.h5", m, opts if len(opts) > 1 else opts[0], **options) as rec:
+        with upd.record(f"{out}/{name}.h5", m, opts if len(opts) > 1 else opts[0], **{"every": 1, **options}) as rec:
             for i, (x, y) in enumerate(batches(steps)):
                 loss = nn.functional.mse_loss(m(x), y)
                 for o in opts:
@@ -118,7 +118,7 @@ def record_all(out: str) -> None:
     def lbfgs(name, **options):
         m = model_()
         opt = torch.optim.LBFGS(m.parameters(), lr=0.5, max_iter=3)
-        with upd.record(f"{out}/{name}.h5", m, opt, **options) as rec:
+        with upd.record(f"{out}/{name}.h5", m, opt, **{"every": 1, **options}) as rec:
             for x, y in batches(5):
                 def closure():
                     opt.zero_grad()

@@ -54,7 +54,7 @@ def record_transformer(path: str, steps: int) -> None:
     from benchmarks.overhead import gpt_workload
 
     w = gpt_workload()
-    with upd.record(path, w.model, w.opt, overwrite=True):
+    with upd.record(path, w.model, w.opt, every=1, overwrite=True):
         for _ in range(steps):
             w.forward_backward()
             w.opt.step()
@@ -174,7 +174,7 @@ def memory(args) -> None:
         torch.manual_seed(0)
         layer = torch.nn.Linear(10000, 5000, bias=False)
         opt = torch.optim.SGD(layer.parameters(), lr=0.01)
-        with upd.record(path, layer, opt, overwrite=True):
+        with upd.record(path, layer, opt, every=1, overwrite=True):
             for _ in range(3):
                 opt.zero_grad()
                 layer(torch.randn(4, 10000)).square().mean().backward()
