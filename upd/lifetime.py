@@ -67,6 +67,7 @@ class _Open:
 
 
 _registries: list = []  # every _Open, so that a forked child can forget what they hold
+_owner_pid: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # object -> the pid that registered it
 _written_fds: set = set()  # descriptors this process writes runs through (see the module docstring)
 
 
@@ -79,7 +80,6 @@ def written_through(fd: int) -> None:
 def no_longer_written(fd: int) -> None:
     """Call before closing `fd`: the number may be reused for something a child should keep."""
     _written_fds.discard(fd)
-_owner_pid: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # object -> the pid that registered it
 
 
 def owned_here(obj) -> bool:

@@ -53,16 +53,8 @@ def _point(view: torch.Tensor, flat: torch.Tensor, start: int, count: int, shape
     """Make `view` alias flat[start:start + count] (same tensor object: the recorder knows parameters by id), in
     `shape` where given (a whole parameter)."""
     with torch.no_grad():
-        size = (count,) if shape is None else tuple(shape)
-        view.set_(flat.untyped_storage(), flat.storage_offset() + start, size, _contiguous_strides(size))
-
-
-def _contiguous_strides(shape: tuple) -> tuple:
-    strides, size = [], 1
-    for dim in reversed(shape):
-        strides.insert(0, size)
-        size *= dim
-    return tuple(strides)
+        # no strides given: set_ makes them contiguous, as a run of the flat tensor is
+        view.set_(flat.untyped_storage(), flat.storage_offset() + start, (count,) if shape is None else tuple(shape))
 
 
 def _run(value, flat: torch.Tensor, start: int, count: int, shape: tuple | None = None):

@@ -115,7 +115,7 @@ class Recorder:
         if unmatched:
             warnings.warn(f"torch-upd: {unmatched}: {self.path} will hold no parameter. Check the patterns (glob, on "
                           "these names).", RecorderWarning, stacklevel=3)
-        too_large = recording_here and size_warning(sum(t.full_record_bytes() for t in self._tracks), opts.every)
+        too_large = recording_here and size_warning(sum(t.full_record_bytes for t in self._tracks), opts.every)
         if too_large:
             warnings.warn(f"torch-upd: {self.path}: {too_large}", RecorderWarning, stacklevel=3)
 

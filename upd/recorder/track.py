@@ -128,8 +128,10 @@ class OptimizerTrack:
         self.sampled_pool: SampledPool | None = None  # the same, for statistics from samples (stats_sample)
         self._lean_plan: LeanPlan | None = None  # its lean steps' plan for the current layout
         self._job_slots: tuple[tuple, list[Slot]] | None = None  # (the job optimizer's layout, its slots)
-        # every= as this optimizer's steps take it (AUTO: from what one of its full records weighs, now)
-        self.full_every, self.first_full_steps = full_record_cadence(settings.every, self.full_record_bytes())
+        # what one full record of this optimizer stores, from its parameters now; every= as its steps take it (AUTO:
+        # from that size)
+        self.full_record_bytes = self._full_record_bytes()
+        self.full_every, self.first_full_steps = full_record_cadence(settings.every, self.full_record_bytes)
 
     def cadence(self, step: int) -> tuple[bool, bool]:
         """(a full record by every=, a statistics step) for an optimizer step."""
@@ -137,9 +139,9 @@ class OptimizerTrack:
         return (is_full_step(step, self.full_every, self.first_full_steps),
                 stats_every is not None and step % stats_every == 0)
 
-    def full_record_bytes(self) -> int:
-        """What one full record of this optimizer stores (``cadence.full_record_bytes``), from its parameters now:
-        every= AUTO picks its cadence from it, and an explicit every= warns when it would fill the disk."""
+    def _full_record_bytes(self) -> int:
+        """What one full record of this optimizer stores (``cadence.full_record_bytes``): every= AUTO picks its
+        cadence from it, and an explicit every= warns when it would fill the disk."""
         what, settings = self.settings.what, self.settings
         param_bytes = sum(p.numel() * encoding.storage_numpy_dtype(p.dtype, settings.dtype)[0].itemsize
                           for g, group in enumerate(self.optimizer.param_groups)

@@ -153,14 +153,13 @@ class RunWriter:
         # second writer, which would destroy a live run while its recorder goes on writing into nothing.
         locks = _lock_before_truncating(self.path) if overwrite else None
         try:
-            self.file = h5py.File(self.path, mode)
+            self._open_file(mode)
         except FileExistsError:
             raise FileExistsError(f"{self.path} exists; pass overwrite=True to replace it") from None
         except BaseException:
             if locks is not None:
                 locks.close()
             raise
-        lifetime.written_through(_descriptor(self.file))
         if locks is None:
             self._lock_file()
         else:
@@ -198,8 +197,7 @@ class RunWriter:
 
     def _reopen(self, meta: dict) -> None:
         """Append to an existing run: drop rows of a record that was never committed (a crash mid-step)."""
-        self.file = h5py.File(self.path, "r+")
-        lifetime.written_through(_descriptor(self.file))
+        self._open_file("r+")
         self._lock_file()
         self._inode = os.stat(self.path).st_ino
         if self.file.attrs.get(schema.ATTR_FORMAT) != schema.FORMAT_NAME or \
@@ -594,6 +592,10 @@ class RunWriter:
         self._locks.begin()
         self.file.attrs[name] = encoding.to_json(value)
         self._flushed()
+
+    def _open_file(self, mode: str) -> None:
+        self.file = h5py.File(self.path, mode)
+        lifetime.written_through(_descriptor(self.file))  # a forked child gets /dev/null in its place
 
     def _close_file(self) -> None:
         lifetime.no_longer_written(_descriptor(self.file))
