@@ -104,7 +104,7 @@ _finish_signal = None  # what a deferred SIGTERM runs once the hook has returned
 def _forget_after_fork() -> None:
     """In a forked child: the parent's objects are not ours to close (see the module docstring). Only plain
     attribute and set operations here: an h5py call could wait on a lock a parent thread held at the fork."""
-    global _install_lock, _inside_hooks
+    global _install_lock, _inside_hooks, _sigterm_installed, _sigterm_handlers, _forking_without_ours
     for recorder in list(recorders):
         try:
             recorder.active = False  # its hooks see this first and record nothing in the child
@@ -115,6 +115,8 @@ def _forget_after_fork() -> None:
     _inside_hooks = weakref.WeakSet()  # a parent thread's hook does not run here: no SIGTERM waits for it
     _pending_signal.clear()
     _install_lock = threading.Lock()  # it may have been held by a parent thread at the fork
+    # SIGTERM is as it was before torch-upd here (_before_fork); a recorder this child makes installs its own
+    _sigterm_installed, _sigterm_handlers, _forking_without_ours = False, None, False
     _blind_written_files()
 
 
@@ -136,8 +138,38 @@ def _blind_written_files() -> None:
     _written_fds.clear()
 
 
+# SIGTERM's disposition around a fork. A child is born with the one SIGTERM had before torch-upd's handler: Python
+# drops a signal that reaches a child between fork() and the interpreter's own after-fork reset, which a Python
+# handler makes possible and the default action does not (the kernel kills at once). A fork Pool's worker still
+# starting when terminate() signals it, on a loaded machine, then never ended and training hung in join(); and a
+# child owns no recorder for the handler to close anyway.
+_sigterm_handlers: tuple | None = None  # (torch-upd's handler, the one before it), set when it is installed
+_forking_without_ours = False  # the parent's handler was swapped for the fork in progress
+
+
+def _before_fork() -> None:
+    global _forking_without_ours
+    ours, before = _sigterm_handlers or (None, None)
+    if ours is None or before is None or threading.current_thread() is not threading.main_thread():
+        return  # signal.signal works in the main thread only; a handler set outside Python cannot be put back
+    try:
+        if signal.getsignal(signal.SIGTERM) is ours:
+            signal.signal(signal.SIGTERM, before)
+            _forking_without_ours = True
+    except (ValueError, OSError):
+        pass
+
+
+def _after_fork_in_parent() -> None:
+    global _forking_without_ours
+    if _forking_without_ours:
+        _forking_without_ours = False
+        signal.signal(signal.SIGTERM, _sigterm_handlers[0])
+
+
 if hasattr(os, "register_at_fork"):
-    os.register_at_fork(after_in_child=_forget_after_fork)
+    os.register_at_fork(before=_before_fork, after_in_parent=_after_fork_in_parent,
+                        after_in_child=_forget_after_fork)
 
 
 def _close_recorders() -> None:
@@ -204,12 +236,13 @@ def _install_sigterm_handler() -> None:
             signal.signal(signal.SIGTERM, signal.SIG_DFL)
             os.kill(os.getpid(), signal.SIGTERM)
 
-    global _finish_signal
+    global _finish_signal, _sigterm_handlers
     _finish_signal = finish
     try:
         signal.signal(signal.SIGTERM, on_sigterm)
     except (ValueError, OSError):
-        pass
+        return
+    _sigterm_handlers = (on_sigterm, previous)
 
 
 @contextlib.contextmanager
