@@ -10,13 +10,15 @@ tensors, 1e-4 on the log10 ratios; rank 0's sink gets the job file's own ratios 
 from __future__ import annotations
 
 import os
+import shutil
 
+import h5py
 import numpy as np
 import pytest
 import torch
 
 import upd
-from upd.exit_codes import EXIT_MATCH
+from upd.exit_codes import EXIT_MATCH, EXIT_MISMATCH
 from upd.runfile import schema
 from tests.harness.distributed import run_job
 from tests.harness.scripts.train_deepspeed import CLIP, Block, Collect, batch
@@ -126,3 +128,29 @@ def test_no_command_lists_a_recorded_parameter_as_frozen(job, use_orig):
         result = CliRunner().invoke(main, command, catch_exceptions=False)
         assert result.exit_code == 0, result.output
         assert "frozen" not in result.output, (command, result.output)
+
+
+@pytest.mark.parametrize("use_orig", [True, False], ids=["use_orig_params", "flat_params"])
+def test_a_corrupted_shard_fails_verify_naming_the_rank_and_the_parameter(job, use_orig, tmp_path):
+    """A copy of the job with one value of one rank's part changed: verify exits 1 naming that rank and the
+    parameter; the job it was copied from still verifies (the DeepSpeed tests' check, on FSDP1's flat parts)."""
+    from click.testing import CliRunner
+
+    from upd.cli.main import main
+
+    folder, _, world, _ = job
+    name = f"orig-{use_orig}"
+    for rank in range(world):
+        shutil.copy(os.path.join(folder, f"{name}.rank{rank}-of-{world}.h5"), tmp_path)
+    target, last = str(tmp_path / f"{name}.h5"), world - 1
+    with upd.open_run(target) as run:
+        victim = next(n for n, p in run.optimizers[0].param_records.items() if last in p.ranks)
+    with h5py.File(str(tmp_path / f"{name}.rank{last}-of-{world}.h5"), "r+") as f:
+        data = f[f"{schema.OPTIMIZERS}/0/{schema.PARAMS}/{schema.param_key(victim)}/{schema.KIND_PARAM_AFTER}"]
+        row = data[1]
+        row.flat[0] += 0.5
+        data[1] = row
+    result = CliRunner().invoke(main, ["verify", target], catch_exceptions=False)
+    assert result.exit_code == EXIT_MISMATCH, result.output
+    assert f"rank {last}" in result.output and victim in result.output
+    assert upd.verify(os.path.join(folder, f"{name}.h5")).exit_code == EXIT_MATCH
