@@ -5,6 +5,7 @@ that were followed by no optimizer step), which the optimizer's own counters can
 """
 from __future__ import annotations
 
+import collections
 from typing import Callable
 
 import torch
@@ -18,35 +19,73 @@ def eager(hook):
 
 
 class BackwardCounts:
-    """Backward passes per parameter (``id(parameter) -> count``), counted by a post-accumulate-grad hook on each
-    parameter hooked. `on_count()` runs after each count (the recorder queues its end-of-backward callback there);
-    each hook's handle is appended to `handles` (removed by the recorder at close)."""
+    """Backward passes per parameter, counted by a post-accumulate-grad hook on each parameter hooked, and the end of
+    each backward pass signalled to the recorder (`on_count()`, where it queues its end-of-backward callback). Each
+    hook's handle is appended to `handles` (removed by the recorder at close).
+
+    A hook per parameter runs at every backward pass, so it must cost next to nothing: each parameter's is the
+    builtin ``append`` of one list shared by all of them (no Python frame runs, hence nothing for torch.compile to
+    trace), and the counts are folded from that list when asked (``passes``). A Python hook on every parameter cost
+    the small models' backward pass more than the statistics of their step (docs/performance.md). `on_count` needs
+    one call per backward pass, not one per parameter: one parameter at a time (the sentinel) carries a Python hook
+    for it. A backward pass without the sentinel's gradient calls nothing; the next fold moves the sentinel to the
+    parameter accumulated last (the first layers', used by every pass of most models)."""
+
+    # the list is folded by the sentinel too when it grows this long: backward passes without optimizer steps
+    # (gradients computed for another purpose) must not hold a reference per parameter and pass without bound
+    FOLD_AT = 1 << 16
 
     def __init__(self, on_count: Callable[[], None], handles: list):
-        self._counts: dict[int, int] = {}
+        self._counts: collections.Counter = collections.Counter()  # id(parameter) -> passes folded so far
+        self._accumulated: list = []  # the parameters whose gradient was accumulated since the last fold, in order
+        self._hooked: set[int] = set()  # id(parameter) of each parameter hooked
         self._on_count = on_count
         self._handles = handles
+        self._sentinel = None  # the handle of the Python hook that calls on_count
+        self._sentinel_fired = False  # since the last fold
+        self._signal = eager(self._sentinel_hook)
 
     def hook(self, param: torch.Tensor) -> None:
         """Count `param`'s backward passes from now on (once per parameter; only leaves that take gradients)."""
         key = id(param)
-        if key in self._counts or not param.requires_grad or not param.is_leaf:
+        if key in self._hooked or not param.requires_grad or not param.is_leaf:
             return
-        self._counts[key] = 0
+        self._hooked.add(key)
+        self._handles.append(param.register_post_accumulate_grad_hook(self._accumulated.append))
+        if self._sentinel is None:
+            self._move_sentinel(param)
 
-        def count(_param, key=key):
-            self._counts[key] += 1
-            self._on_count()
+    def _move_sentinel(self, param: torch.Tensor) -> None:
+        if self._sentinel is not None:
+            self._sentinel.remove()
+        self._sentinel = param.register_post_accumulate_grad_hook(self._signal)
+        self._handles.append(self._sentinel)
 
-        self._handles.append(param.register_post_accumulate_grad_hook(eager(count)))
+    def _sentinel_hook(self, _param) -> None:
+        self._sentinel_fired = True
+        if len(self._accumulated) >= self.FOLD_AT:
+            self._fold()
+        self._on_count()
+
+    def _fold(self) -> None:
+        accumulated = self._accumulated
+        if not accumulated:
+            return
+        self._counts.update(map(id, accumulated))
+        if not self._sentinel_fired:  # backward passes without the sentinel: the parameter every pass ended with
+            self._move_sentinel(accumulated[-1])
+        self._sentinel_fired = False
+        accumulated.clear()
 
     def add(self, counts: dict[int, int]) -> None:
         """Passes counted before these counts began, added to the parameters hooked here."""
         for key, count in counts.items():
-            if key in self._counts:
+            if key in self._hooked:
                 self._counts[key] += count
 
     def passes(self, optimizer: torch.optim.Optimizer) -> int:
         """Backward passes so far: the most any of the optimizer's parameters saw (a parameter without a gradient in
         some passes saw fewer)."""
-        return max((self._counts.get(id(p), 0) for g in optimizer.param_groups for p in g["params"]), default=0)
+        self._fold()
+        counts = self._counts
+        return max((counts[id(p)] for g in optimizer.param_groups for p in g["params"]), default=0)

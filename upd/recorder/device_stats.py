@@ -286,16 +286,17 @@ class SnapshotPool:
     """The buffers one optimizer's lean statistics reuse from step to step, so that no step allocates (a fresh clone
     per tensor and step cost page faults and allocator work as well as the copy):
 
-    * small tensors (up to SMALL_LIMIT elements) live in float64 buckets, one per power-of-four width: a bucket is a
-      (2, count, width) buffer whose rows hold a parameter (row 0) and its gradient (row 1), which after the step
-      the parameter's new value replaces, zero-padded. A sum and a norm along the last axis reduce a whole bucket in two vectorised
-      ops, whatever its count, and float64 keeps the one-pass std exact where |mean| >> std (norm-layer scales
-      near 1 are small tensors). All buckets are blocks of one (2, total width) allocation (``store``), so the
-      new values are copied in with one foreach copy and subtracted with one op for all buckets: a subtraction of
-      each float32 tensor from its float64 view would cost twice as much (a mixed-dtype ``_foreach_sub_``, see
-      docs/performance.md). Each
-      reduction writes its results straight into the step's host buffer (``small_host``), so no step concatenates
-      them. Widths grow by 4x: fewer buckets (ops) for at most 4x padding of tensors that are small anyway;
+    * small tensors (up to SMALL_LIMIT elements) live in float64 buckets, one per power-of-four width, all of them
+      blocks of one zero-padded (3, total width) allocation (``store``): row 0 holds each parameter before the step,
+      row 1 its gradient, row 2 its value after the step, which one subtraction for all buckets turns into
+      before - after. Each is a foreach copy into views for all tensors; after the step, a sum and a norm along
+      the last axis of each bucket's (3, count, width) block reduce all three kinds of all its tensors at once,
+      straight into the step's host buffer (``small_host``). On a small model the cost of a step is the number of
+      ops, not their bytes: this is about ten, whatever the number of tensors. float64 keeps the one-pass std
+      exact where |mean| >> std (norm-layer scales near 1 are small tensors) and the update exact (the difference
+      of two float32 numbers is a float64 one); reducing float64 data was also faster than reducing float32 data
+      with a float64 accumulator (docs/performance.md). Widths grow by 4x: fewer buckets (ops) for at most 4x
+      padding of tensors that are small anyway;
     * each large parameter gets a snapshot buffer of its own dtype.
 
     Rebuilt when the parameters change (add_param_group, a swapped tensor, a new shape). Holds one copy of the
@@ -307,7 +308,7 @@ class SnapshotPool:
         self.key = None
 
     def layout(self, live: list[torch.Tensor], params: list[torch.Tensor]) -> "SnapshotPool":
-        key = [(id(q), p.shape, p.dtype) for q, p in zip(live, params)]
+        key = (list(map(id, live)), [p.shape for p in params])
         if key == self.key:
             return self
         device = params[0].device
@@ -320,33 +321,24 @@ class SnapshotPool:
                     width *= 4
                 widths.setdefault(width, []).append(i)
         k = sum(len(members) for members in widths.values())
-        # (sums, norms) x (params, gradients) before the step, then the update's (sums, norms): one host copy
-        self.small_host = torch.zeros(6 * k, dtype=torch.float64, device=device)
-        pre_sums, pre_norms = self.small_host[:4 * k].view(2, 2, k)
-        post_sums, post_norms = self.small_host[4 * k:].view(2, k)
-        self.grad_norms = pre_norms[1]
-        # One (2, total width) allocation for all buckets: row 0 the parameters, row 1 the gradients and, once
-        # their reductions are launched, the new values (a third less memory for the step to touch than a row of
-        # their own); each bucket a (count, width) block of both rows. The update is then one subtraction of row 1
-        # from row 0 for all buckets, and a bucket's parameters and gradients one (2, count, width) view. Device
-        # work runs in launch order, so the new values cannot overwrite the gradients before they are reduced.
+        # (sums, norms) x (parameters, gradients, before - after) x tensors: the small tensors' part of a step's
+        # one host copy
+        self.small_host = torch.zeros((2, len(LEAN_KINDS), k), dtype=torch.float64, device=device)
         ordered = sorted(widths.items())
-        self.store = torch.zeros((2, sum(width * len(members) for width, members in ordered)), dtype=torch.float64,
-                                 device=device)
-        self.buckets = []  # per bucket: (its params and gradients, before - after, and the outputs' views)
-        self.small, self.param_views, self.grad_views = [], [], []
+        self.store = torch.zeros((len(LEAN_KINDS), sum(width * len(members) for width, members in ordered)),
+                                 dtype=torch.float64, device=device)
+        self.buckets = []  # per bucket: its (3, count, width) block and the host buffer's views its reductions fill
+        self.small, self.param_views, self.grad_views, self.after_views = [], [], [], []
         offset = 0
         for width, members in ordered:
-            block = self.store[:, offset:offset + width * len(members)].view(2, len(members), width)
+            block = self.store[:, offset:offset + width * len(members)].view(len(LEAN_KINDS), len(members), width)
             offset += width * len(members)
             at = slice(len(self.small), len(self.small) + len(members))
-            self.buckets.append((block, block[0], pre_sums[:, at], pre_norms[:, at], post_sums[at],
-                                 post_norms[at]))
+            self.buckets.append((block, self.small_host[0, :, at], self.small_host[1, :, at]))
             for row, i in enumerate(members):
                 self.small.append(i)
-                for views, kind in ((self.param_views, 0), (self.grad_views, 1)):
+                for views, kind in ((self.param_views, 0), (self.grad_views, 1), (self.after_views, 2)):
                     views.append(block[kind, row, :sizes[i]].view(params[i].shape))
-        self.after_views = self.grad_views  # the new values go where the gradients were
         # Last parameter first: the optimizer steps the first parameter first, so before the step the last tensors
         # this pool read are the first the optimizer reads; after it, the first read here the last it wrote.
         self.large = [i for i, n in reversed(list(enumerate(sizes))) if n > SMALL_LIMIT]
@@ -369,8 +361,7 @@ class SnapshotPool:
         def at(stat, kind, i):
             return (stat * len(LEAN_KINDS) + kind) * count + i
         small, large = self.small, self.large
-        where = [at(stat, kind, i) for stat in (0, 1) for kind in (0, 1) for i in small]  # small_host
-        where += [at(stat, 2, i) for stat in (0, 1) for i in small]
+        where = [at(stat, kind, i) for stat in (0, 1) for kind in (0, 1, 2) for i in small]  # small_host
         where += [at(stat, kind, i) for i in large for kind in (0, 1) for stat in (0, 1)]  # large, before the step
         where += [at(stat, 2, i) for i in large for stat in (0, 1)]  # large, after it
         order = np.empty(len(where), dtype=np.intp)
@@ -378,15 +369,13 @@ class SnapshotPool:
         return order
 
 
-# The lean set's columns, in the order LeanStep.read fills each parameter's row.
-
-
 class LeanStep:
-    """The lean statistics of one step: ``LeanStep(pool, names, live, params, grads)`` before the step launches the
-    parameters' and gradients' sums and copies the parameters into the pool; ``read()`` after it forms the updates
-    in place, reduces them and brings everything to the host in one copy. Same result shape as
-    ``StepStatistics.read``. ``grad_norm`` is the total norm of `grads`, from the per-gradient norms (no pass of its
-    own), launched with them. `params` are the tensors to reduce: `live` itself, or its local parts (DTensor).
+    """The lean statistics of one step: ``LeanStep(pool, names, live, params, grads)`` before the step copies the
+    parameters and gradients into the pool (and launches the large tensors' reductions); ``read()`` after it copies
+    the new values in, forms the updates, reduces everything and brings it to the host in one copy. Same result
+    shape as ``StepStatistics.read``. `params` are the tensors to reduce: `live` itself, or its local parts
+    (DTensor). After ``read``, ``grad_norm`` is the total norm of `grads` (a float, from the per-gradient norms: no
+    pass of its own).
 
     ``grads=None``: a ``step(closure)`` (LBFGS, Lightning's automatic optimization), whose gradient exists only inside
     the step. Only the parameters are copied before it; the gradients' statistics are taken after it, from the
@@ -401,90 +390,79 @@ class LeanStep:
         self.live = live  # the parameters themselves: their values after the step give the update
         self.params = params
         self.grads = grads
-        self.pool = pool.layout(live, params)
-        small, large = self.pool.small, self.pool.large
+        self.pool = pool = pool.layout(live, params)
         self.large_before = None  # the large tensors' reductions before the step
         self.no_grad = None  # a step(closure): the parameters the closure left without a gradient
-        if grads is None:
-            with torch.no_grad():
-                if small:
-                    torch._foreach_copy_(self.pool.param_views, [params[i] for i in small])
-                for buffer, i in zip(self.pool.buffers, large):
-                    buffer.copy_(params[i])
-            self.grad_norm = None
-            return
-        self._before(params, grads)
-
-    def _before(self, params: list[torch.Tensor], grads: list[torch.Tensor], params_copied: bool = False) -> None:
-        """The parameters' and gradients' reductions (and, unless `params_copied`, the parameters' copies)."""
-        small, large = self.pool.small, self.pool.large
-        grad_norms = []
+        self.closure = grads is None
+        self.grad_norm = None
         with torch.no_grad():  # the hooks run outside the optimizer's no_grad: no autograd bookkeeping here
-            if small:
-                # A few ops for all small tensors: two copies into the float64 buckets, a sum and a norm per bucket.
-                if not params_copied:
-                    torch._foreach_copy_(self.pool.param_views, [params[i] for i in small])
-                torch._foreach_copy_(self.pool.grad_views, [grads[i] for i in small])
-                for pre, _, sums, norms, _, _ in self.pool.buckets:
-                    torch.sum(pre, 2, out=sums)
-                    torch.linalg.vector_norm(pre, dim=2, out=norms)
-                grad_norms.append(torch.linalg.vector_norm(self.pool.grad_norms))
-            reductions = []
-            for buffer, i in zip(self.pool.buffers, large):
-                g = grads[i]
-                if params_copied:
-                    p = buffer  # the values before the step, until the update is formed in it
-                else:
-                    p = params[i]
-                    buffer.copy_(p)
-                # Each tensor's passes run back to back, while it is still in the cache.
-                pa, ga = _accumulation(p), _accumulation(g)
-                reductions += [p.sum(dtype=pa), torch.linalg.vector_norm(p, dtype=pa),
-                               g.sum(dtype=ga), torch.linalg.vector_norm(g, dtype=ga)]
-            if reductions:
-                self.large_before = torch.stack(reductions)
-                grad_norms.append(torch.linalg.vector_norm(self.large_before[3::4], dtype=torch.float64))
-            # float64: read with the step's logged scalars, which are read as float64
-            self.grad_norm = grad_norms[0] if len(grad_norms) == 1 else torch.linalg.vector_norm(
-                torch.stack(grad_norms))
+            if pool.small:
+                torch._foreach_copy_(pool.param_views, [params[i] for i in pool.small])
+            if grads is None:
+                for buffer, i in zip(pool.buffers, pool.large):
+                    buffer.copy_(params[i])
+                return
+            self._copy_grads(grads)
+            self._reduce_large_before(params, grads, params_copied=False)
+
+    def _copy_grads(self, grads: list[torch.Tensor]) -> None:
+        if self.pool.small:
+            torch._foreach_copy_(self.pool.grad_views, [grads[i] for i in self.pool.small])
+
+    def _reduce_large_before(self, params: list[torch.Tensor], grads: list[torch.Tensor], params_copied: bool) -> None:
+        """The large parameters' and gradients' reductions (and, unless `params_copied`, the parameters' copies)."""
+        reductions = []
+        for buffer, i in zip(self.pool.buffers, self.pool.large):
+            g = grads[i]
+            if params_copied:
+                p = buffer  # the values before the step, until the update is formed in it
+            else:
+                p = params[i]
+                buffer.copy_(p)
+            # Each tensor's passes run back to back, while it is still in the cache.
+            pa, ga = _accumulation(p), _accumulation(g)
+            reductions += [p.sum(dtype=pa), torch.linalg.vector_norm(p, dtype=pa),
+                           g.sum(dtype=ga), torch.linalg.vector_norm(g, dtype=ga)]
+        if reductions:
+            self.large_before = torch.stack(reductions)
 
     def _after(self) -> list[torch.Tensor]:
         if self.params is self.live:
             return self.live
         return [local_part(q.detach()) for q in self.live]
 
-    def after_step(self, step) -> dict[str, dict[str, float]]:
+    def after_step(self, step) -> StatsRows:
         """The engine protocol: what needs the step's result, ``read`` launches and reads with the rest."""
         return self.read()
 
-    def read(self) -> dict[str, dict[str, float]]:
+    def read(self) -> StatsRows:
         parts = self.launch_after()
         with torch.no_grad():  # the one synchronisation of the step
-            host = (torch.cat([p.double() for p in parts]) if len(parts) > 1 else parts[0]).cpu().numpy() \
-                if parts else np.zeros(0)
+            host = (torch.cat([p.double().reshape(-1) for p in parts]) if len(parts) > 1 else parts[0].reshape(-1)
+                    ).cpu().numpy() if parts else np.zeros(0)
         return self.rows(host)
 
-    def rows(self, host: np.ndarray) -> dict[str, dict[str, float]]:
+    def rows(self, host: np.ndarray) -> StatsRows:
         """The result of ``read`` from the host copy of ``launch_after``'s tensors (concatenated, float64)."""
         # Read as {name: {column: value}}; the writer copies the table as it is (StatsRows).
         return StatsRows(self.names, LEAN_COLUMNS, self._table(host))
 
     def launch_after(self) -> list[torch.Tensor]:
-        """After the step: form the updates and launch their reductions. Returns the device tensors whose
+        """After the step: form the updates and launch every reduction. Returns the device tensors whose
         concatenation ``rows`` reads (a caller may copy them to the host together with its own)."""
-        pool, small, large = self.pool, self.pool.small, self.pool.large
-        if self.grads is None:
-            self._take_closure_gradients()
+        pool, large = self.pool, self.pool.large
         with torch.no_grad():
+            if self.grads is None:
+                self._take_closure_gradients()
             after = self._after()
             parts = []
-            if small:
-                # The snapshot becomes before - after = -update, in place: the sign is undone on the host.
-                torch._foreach_copy_(pool.after_views, [after[i] for i in small])
-                pool.store[0].sub_(pool.store[1])
-                for _, before, _, _, sums, norms in pool.buckets:
-                    torch.sum(before, 1, out=sums)
-                    torch.linalg.vector_norm(before, dim=1, out=norms)
+            if pool.small:
+                torch._foreach_copy_(pool.after_views, [after[i] for i in pool.small])
+                # The new values become before - after = -update, in place: the sign is undone on the host.
+                torch.sub(pool.store[0], pool.store[2], out=pool.store[2])
+                for block, sums, norms in pool.buckets:
+                    torch.sum(block, 2, out=sums)
+                    torch.linalg.vector_norm(block, dim=2, out=norms)
                 parts.append(pool.small_host)
             reductions = []
             for buffer, i in zip(pool.buffers, large):
@@ -496,14 +474,16 @@ class LeanStep:
         return parts
 
     def _take_closure_gradients(self) -> None:
-        """A step(closure)'s gradients, as the last closure call left them, reduced now (see the class docstring)."""
+        """A step(closure)'s gradients, as the last closure call left them, copied or reduced now (see the class
+        docstring)."""
         grads = [q.grad for q in self.live]
         self.no_grad = [i for i, (p, g) in enumerate(zip(self.params, grads))
                         if g is None or not lean_applies([p], [g])]
         for i in self.no_grad:  # reduced as zeros, shown as NaN (_table)
             grads[i] = torch.zeros_like(self.params[i])
         self.grads = grads
-        self._before(self.params, grads, params_copied=True)
+        self._copy_grads(grads)
+        self._reduce_large_before(self.params, grads, params_copied=True)
 
     def _table(self, host: np.ndarray) -> np.ndarray:
         """(P, len(LEAN_COLUMNS)) rows: each parameter's lean statistics and its two ratios, from the host copy."""
@@ -517,9 +497,9 @@ class LeanStep:
             std = np.sqrt(np.maximum(squares - sums * mean, 0.0) * pool.inverse_n_1)
             table = np.zeros((len(LEAN_COLUMNS), count))
             stats = table[:len(LEAN_KINDS) * len(LEAN_STATS)].reshape(len(LEAN_KINDS), len(LEAN_STATS), count)
-            stats[:, LEAN_STATS.index("mean")] = mean
-            stats[:, LEAN_STATS.index("std")] = std
-            stats[:, LEAN_STATS.index("norm")] = norms
+            stats[:, _MEAN] = mean
+            stats[:, _STD] = std
+            stats[:, _NORM] = norms
             # NaN propagates into the sum and Inf into the sum of squares: both finite means no NaN/Inf anywhere
             # (but for a float32 overflow of the norm, which the exact count then clears).
             flagged = ~np.isfinite(sums + squares)
@@ -527,13 +507,14 @@ class LeanStep:
                 stats[:, :, pool.empty] = np.nan
                 flagged[:, pool.empty] = False
             if flagged.any():
-                self._count_nonfinite(flagged, stats[:, LEAN_STATS.index("nonfinite")])
-            kind = LEAN_KINDS.index
-            table[LEAN_COLUMNS.index(UPDATE_TO_DATA)] = update_to_data(std[kind("update")], std[kind("param")])
-            table[LEAN_COLUMNS.index(GRAD_TO_DATA)] = grad_to_data(std[kind("grad")], std[kind("param")])
+                self._count_nonfinite(flagged, stats[:, _NONFINITE])
+            if not self.closure:
+                self.grad_norm = float(np.sqrt(squares[_GRAD].sum()))
+            table[_UPDATE_TO_DATA] = update_to_data(std[_UPDATE], std[_PARAM])
+            table[_GRAD_TO_DATA] = grad_to_data(std[_GRAD], std[_PARAM])
             if self.no_grad:
-                stats[kind("grad"), :, self.no_grad] = np.nan
-                table[LEAN_COLUMNS.index(GRAD_TO_DATA), self.no_grad] = np.nan
+                stats[_GRAD, :, self.no_grad] = np.nan
+                table[_GRAD_TO_DATA, self.no_grad] = np.nan
         return table.T
 
     def _count_nonfinite(self, flagged: np.ndarray, counts: np.ndarray) -> None:
@@ -552,11 +533,17 @@ class LeanStep:
             elif kind == "grad":
                 t = self.grads[i]
             else:
-                t = pool.param_views[small_position[i]] if i in small_position else pool.buffers[large_position[i]]
+                t = pool.after_views[small_position[i]] if i in small_position else pool.buffers[large_position[i]]
             tensors.append(torch.count_nonzero(~torch.isfinite(t)))
             targets.append((k, i))
         for (k, i), c in zip(targets, torch.stack(tensors).cpu().tolist()):
             counts[k, i] = float(c)
+
+
+# Where LeanStep's table puts each statistic and kind (LEAN_STATS, LEAN_KINDS, LEAN_COLUMNS).
+_MEAN, _STD, _NORM, _NONFINITE = (LEAN_STATS.index(s) for s in ("mean", "std", "norm", "nonfinite"))
+_PARAM, _GRAD, _UPDATE = (LEAN_KINDS.index(k) for k in ("param", "grad", "update"))
+_UPDATE_TO_DATA, _GRAD_TO_DATA = LEAN_COLUMNS.index(UPDATE_TO_DATA), LEAN_COLUMNS.index(GRAD_TO_DATA)
 
 
 def _accumulation(t: torch.Tensor) -> torch.dtype:

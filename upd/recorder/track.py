@@ -72,6 +72,7 @@ class StepInProgress:
     closure: bool  # step(closure): the gradient exists only inside the step
     stats: StatisticsEngine | None  # a statistics step: some launched before the step, the rest after it
     stats_meta: dict | None = None  # the statistics' parameter metadata, when known before the step (LeanPlan)
+    norm_from_stats: bool = False  # the step's total gradient norm is the statistics' (``grad_norm``, after the step)
 
 
 @dataclasses.dataclass
@@ -127,6 +128,7 @@ class OptimizerTrack:
         self.stats_pool: SnapshotPool | None = None  # the lean statistics' snapshot buffers
         self.sampled_pool: SampledPool | None = None  # the same, for statistics from samples (stats_sample)
         self._lean_plan: LeanPlan | None = None  # its lean steps' plan for the current layout
+        self._no_lean_plan_for: tuple | None = None  # a layout the lean set does not take (``_make_lean_plan``)
         self._job_slots: tuple[tuple, list[Slot]] | None = None  # (the job optimizer's layout, its slots)
         # what one full record of this optimizer stores, from its parameters now; every= as its steps take it (AUTO:
         # from that size)
@@ -285,14 +287,15 @@ class OptimizerTrack:
             return False
         plan = self._lean_plan
         if plan is None or plan.layout is not self.layout:
+            if self._no_lean_plan_for is self.layout:
+                return False
             plan = self._make_lean_plan()
             if plan is None:
+                self._no_lean_plan_for = self.layout  # until the parameters change
                 return False
             self._lean_plan = plan
         tracked, live, names, stats_meta = plan.tracked, plan.live, plan.names, plan.stats_meta
         if closure_step:
-            if not lean_applies(live, live):  # the parameters alone: their gradients come inside the step
-                return False
             stats = LeanStep(self._snapshot_pool(), names, live, live, None)
         else:
             grads = [p.grad for p in live]
@@ -301,8 +304,9 @@ class OptimizerTrack:
                 live, names = [t.live for t in tracked], [t.snapshot.name for t in tracked]
                 stats_meta = {name: stats_meta[name] for name in names}
                 grads = [g for g in grads if g is not None]
-            dtensor = dtensor_class()
-            if not lean_applies(live, grads) or (dtensor is not None and any(isinstance(g, dtensor) for g in grads)):
+            # The parameters were checked with the plan (lean_applies); autograd gives a gradient its parameter's
+            # shape, dtype and device, but a sparse one is the general path's (nn.Embedding(sparse=True)).
+            if not grads or not all(g.layout is torch.strided for g in grads):
                 return False
             if sampled:  # single-process runs only: a DTensor's local parts get the exact set
                 if self.sampled_pool is None:
@@ -311,13 +315,14 @@ class OptimizerTrack:
             else:
                 stats = LeanStep(self._snapshot_pool(), names, live, live, grads)
             self._take_backward_norm()
-            self._step_scalars[schema.SCALAR_GRAD_NORM_AT_STEP] = (stats.grad_norm if plan.all_selected else
-                                                                   total_norm(gradients(self.optimizer)))
+            if not plan.all_selected:  # else the statistics' own per-gradient norms give it, after the step
+                self._step_scalars[schema.SCALAR_GRAD_NORM_AT_STEP] = total_norm(gradients(self.optimizer))
         record = Record(optimizer=self.index, step=step, backward_pass=self.backward.passes(self.optimizer),
                         wall_time=time.time(), hparams=[hparams_snapshot(g) for g in self.optimizer.param_groups],
                         params=[], closure_losses=[] if closure_step else None, full=False)
         self.pending = StepInProgress(record=record, params=tracked, selected=False, closure=closure_step,
-                                      stats=stats, stats_meta=stats_meta)
+                                      stats=stats, stats_meta=stats_meta,
+                                      norm_from_stats=plan.all_selected and not closure_step)
         return True
 
     def _snapshot_pool(self) -> SnapshotPool:
@@ -326,7 +331,8 @@ class OptimizerTrack:
         return self.stats_pool
 
     def _make_lean_plan(self) -> LeanPlan | None:
-        """The selected parameters of this layout, named, with their metadata; None when one is a DTensor."""
+        """The selected parameters of this layout, named, with their metadata; None when one is a DTensor or the lean
+        set does not take one (``lean_applies``)."""
         dtensor = dtensor_class()
         tracked, all_selected = [], True
         for g, group in enumerate(self.optimizer.param_groups):
@@ -338,7 +344,10 @@ class OptimizerTrack:
                 if dtensor is not None and isinstance(p, dtensor):
                     return None
                 tracked.append(TrackedParam(live=p, snapshot=ParamSnapshot(name=name, group=g, index_in_group=i)))
-        return LeanPlan(layout=self.layout, tracked=tracked, live=[t.live for t in tracked],
+        live = [t.live for t in tracked]
+        if not lean_applies(live, live):  # the parameters' side; their gradients are checked at each step
+            return None
+        return LeanPlan(layout=self.layout, tracked=tracked, live=live,
                         names=[t.snapshot.name for t in tracked], all_selected=all_selected,
                         stats_meta={t.snapshot.name: param_meta(t.snapshot, t.live) for t in tracked})
 
@@ -417,8 +426,8 @@ class OptimizerTrack:
         self.steps_done += 1
         pending, self.pending = self.pending, None
         scaling, self.grad_scaling = self.grad_scaling, None
-        self._queue_scalars(step, pending.record.wall_time if pending is not None else time.time(), logged)
         if pending is None:
+            self._queue_scalars(step, time.time(), logged)
             return None, False
         rec, settings = pending.record, self.settings
         if pending.closure and "grad" in settings.what and rec.full:
@@ -427,6 +436,12 @@ class OptimizerTrack:
             rec.params = [t.snapshot for t in pending.params]
         if pending.stats is not None:
             rec.stats = pending.stats.after_step(pending)  # one device-to-host copy, whichever engine
+            if pending.norm_from_stats:  # of the gradients as they came: unscaled as the step used them
+                norm = pending.stats.grad_norm
+                self._step_scalars[schema.SCALAR_GRAD_NORM_AT_STEP] = (
+                    norm if scaling is None else norm / scaling.scale_on_host())
+        self._queue_scalars(step, rec.wall_time, logged)
+        if pending.stats is not None:
             if scaling is not None:  # the gradients as the fused step used them (a job's parts included)
                 rec.stats = scaling.unscaled(rec.stats)
             rec.stats_meta = pending.stats_meta if pending.stats_meta is not None else {
