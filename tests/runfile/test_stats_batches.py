@@ -109,9 +109,10 @@ def test_at_most_hold_rows_are_held(tmp_path, monkeypatch):
     assert committed_steps(writer.path) == list(range(7))
 
 
-def test_a_recorded_run_longer_than_a_batch_keeps_every_row(tmp_path):
+def test_a_recorded_run_longer_than_a_batch_keeps_every_row(tmp_path, monkeypatch):
     """Through the recorder: every statistics row of a real run (two batches and a rest), with the lean set's
     values."""
+    monkeypatch.setattr(async_writer, "HOLD_ROWS", 32)
     torch.manual_seed(0)
     model = MLP()
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)

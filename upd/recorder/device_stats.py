@@ -18,6 +18,7 @@ Two sets, two costs (docs/performance.md has the measurements):
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 from typing import Callable, Sequence
 
@@ -345,11 +346,12 @@ class SnapshotPool:
         self.buffers = [torch.empty(params[i].shape, dtype=params[i].dtype, device=device) for i in self.large]
         self.numel = n = np.asarray(sizes, dtype=np.float64)
         with np.errstate(divide="ignore"):
-            self.inverse_n = np.where(n > 0, 1 / n, np.nan)  # an empty tensor's statistics are NaN
-            self.inverse_n_1 = np.where(n > 1, 1 / (n - 1), np.nan)  # the unbiased std of one number too
-        self.empty = n == 0
-        self.any_empty = bool(self.empty.any())
-        self.order = self._host_order()
+            self.tables = LeanTables(
+                order=self._host_order(),
+                inverse_n=np.where(n > 0, 1 / n, np.nan),  # an empty tensor's statistics are NaN
+                inverse_n_1=np.where(n > 1, 1 / (n - 1), np.nan),  # the unbiased std of one number too
+                empty=(n == 0) if (n == 0).any() else None)
+        self.grad_norms = self.small_host[1, LEAN_KINDS.index("grad")]  # each small gradient's norm
         self.key = key
         return self
 
@@ -437,15 +439,22 @@ class LeanStep:
 
     def read(self) -> StatsRows:
         parts = self.launch_after()
+        if not parts:
+            return self.rows(np.zeros(0))
         with torch.no_grad():  # the one synchronisation of the step
-            host = (torch.cat([p.double().reshape(-1) for p in parts]) if len(parts) > 1 else parts[0].reshape(-1)
-                    ).cpu().numpy() if parts else np.zeros(0)
-        return self.rows(host)
+            own = len(parts) > 1
+            host = (torch.cat([p.double().reshape(-1) for p in parts]) if own else parts[0].reshape(-1)).cpu().numpy()
+        # this step's own numbers: on the CPU, .cpu() gave the pool's buffer itself, which the next step refills
+        return self.rows(host if own or parts[0].device.type != "cpu" else host.copy())
 
     def rows(self, host: np.ndarray) -> StatsRows:
-        """The result of ``read`` from the host copy of ``launch_after``'s tensors (concatenated, float64)."""
-        # Read as {name: {column: value}}; the writer copies the table as it is (StatsRows).
-        return StatsRows(self.names, LEAN_COLUMNS, self._table(host))
+        """The result of ``read`` from the host copy of ``launch_after``'s tensors (concatenated, float64, this
+        step's own). The table is made later, where it is first read (the writer thread), from these numbers alone;
+        where one is NaN or infinite, now, with the exact NaN/Inf counts only the tensors can give."""
+        tables = self.pool.tables if not self.no_grad else LeanTables.without_gradients(self.pool.tables, self.no_grad)
+        if math.isfinite(host.sum()):  # NaN and Inf propagate into the sum
+            return StatsRows(self.names, LEAN_COLUMNS, maker=tables, numbers=host)
+        return StatsRows(self.names, LEAN_COLUMNS, tables.tables(host[None], self._count_nonfinite)[0])
 
     def launch_after(self) -> list[torch.Tensor]:
         """After the step: form the updates and launch every reduction. Returns the device tensors whose
@@ -471,6 +480,11 @@ class LeanStep:
                 reductions += [buffer.sum(dtype=acc), torch.linalg.vector_norm(buffer, dtype=acc)]
             if reductions:
                 parts += [self.large_before, torch.stack(reductions)]
+            if self.grads is not None and not self.closure:  # launched with the rest, read with the step's scalars
+                norms = [pool.grad_norms] if pool.small else []
+                if large:
+                    norms.append(self.large_before[3::4].double())
+                self.grad_norm = torch.linalg.vector_norm(norms[0] if len(norms) == 1 else torch.cat(norms))
         return parts
 
     def _take_closure_gradients(self) -> None:
@@ -479,43 +493,11 @@ class LeanStep:
         grads = [q.grad for q in self.live]
         self.no_grad = [i for i, (p, g) in enumerate(zip(self.params, grads))
                         if g is None or not lean_applies([p], [g])]
-        for i in self.no_grad:  # reduced as zeros, shown as NaN (_table)
+        for i in self.no_grad:  # reduced as zeros, shown as NaN (LeanTables.no_grad)
             grads[i] = torch.zeros_like(self.params[i])
         self.grads = grads
         self._copy_grads(grads)
         self._reduce_large_before(self.params, grads, params_copied=True)
-
-    def _table(self, host: np.ndarray) -> np.ndarray:
-        """(P, len(LEAN_COLUMNS)) rows: each parameter's lean statistics and its two ratios, from the host copy."""
-        pool = self.pool
-        count = len(pool.numel)
-        sums, norms = host[pool.order].reshape(2, len(LEAN_KINDS), count)  # (LEAN_KINDS, P) each
-        sums[2] *= -1  # the update's: reduced from before - after
-        with np.errstate(invalid="ignore", divide="ignore", over="ignore"):
-            squares = norms * norms
-            mean = sums * pool.inverse_n
-            std = np.sqrt(np.maximum(squares - sums * mean, 0.0) * pool.inverse_n_1)
-            table = np.zeros((len(LEAN_COLUMNS), count))
-            stats = table[:len(LEAN_KINDS) * len(LEAN_STATS)].reshape(len(LEAN_KINDS), len(LEAN_STATS), count)
-            stats[:, _MEAN] = mean
-            stats[:, _STD] = std
-            stats[:, _NORM] = norms
-            # NaN propagates into the sum and Inf into the sum of squares: both finite means no NaN/Inf anywhere
-            # (but for a float32 overflow of the norm, which the exact count then clears).
-            flagged = ~np.isfinite(sums + squares)
-            if pool.any_empty:
-                stats[:, :, pool.empty] = np.nan
-                flagged[:, pool.empty] = False
-            if flagged.any():
-                self._count_nonfinite(flagged, stats[:, _NONFINITE])
-            if not self.closure:
-                self.grad_norm = float(np.sqrt(squares[_GRAD].sum()))
-            table[_UPDATE_TO_DATA] = update_to_data(std[_UPDATE], std[_PARAM])
-            table[_GRAD_TO_DATA] = grad_to_data(std[_GRAD], std[_PARAM])
-            if self.no_grad:
-                stats[_GRAD, :, self.no_grad] = np.nan
-                table[_GRAD_TO_DATA, self.no_grad] = np.nan
-        return table.T
 
     def _count_nonfinite(self, flagged: np.ndarray, counts: np.ndarray) -> None:
         """Exact NaN/Inf counts of the flagged tensors ((LEAN_KINDS, P) masks, into `counts`), the rare path: one more
@@ -538,6 +520,59 @@ class LeanStep:
             targets.append((k, i))
         for (k, i), c in zip(targets, torch.stack(tensors).cpu().tolist()):
             counts[k, i] = float(c)
+
+
+@dataclasses.dataclass(frozen=True, eq=False)  # compared by identity (fill_tables)
+class LeanTables:
+    """What turns lean steps' host numbers into their tables (the ``maker`` of their ``StatsRows``): where each
+    number goes (``order``, see ``SnapshotPool._host_order``) and the tensors' element counts. Made with the pool's
+    layout and never changed: a table made on the writer thread after the pool has moved on reads its own step's."""
+
+    order: np.ndarray
+    inverse_n: np.ndarray  # 1 / elements (NaN for an empty tensor)
+    inverse_n_1: np.ndarray  # 1 / (elements - 1) (NaN for fewer than two)
+    empty: np.ndarray | None  # which tensors are empty; None when none is
+    no_grad: tuple = ()  # the parameters a step(closure) left without a gradient: NaN gradient statistics
+
+    @classmethod
+    def without_gradients(cls, tables: "LeanTables", no_grad: list) -> "LeanTables":
+        return dataclasses.replace(tables, no_grad=tuple(no_grad))
+
+    def tables(self, numbers: np.ndarray, count_nonfinite: Callable | None = None) -> np.ndarray:
+        """(steps, P, len(LEAN_COLUMNS)) tables, from (steps, n) host copies of lean steps (each the sums and norms
+        of every parameter, gradient and before - after): each parameter's lean statistics and its two ratios.
+        `count_nonfinite(flagged, counts)` fills exact NaN/Inf counts of the flagged (LEAN_KINDS, P) tensors of a
+        one-step stack; without it there is none (the caller checked)."""
+        steps, count = numbers.shape[0], len(self.inverse_n)
+        sums, norms = numbers[:, self.order].reshape(steps, 2, len(LEAN_KINDS), count).swapaxes(0, 1)
+        sums[:, _UPDATE] *= -1  # the update's: reduced from before - after
+        with np.errstate(invalid="ignore", divide="ignore", over="ignore"):
+            squares = norms * norms
+            mean = sums * self.inverse_n
+            std = np.sqrt(np.maximum(squares - sums * mean, 0.0) * self.inverse_n_1)
+            table = np.zeros((steps, len(LEAN_COLUMNS), count))
+            stats = table[:, :len(LEAN_KINDS) * len(LEAN_STATS)].reshape(steps, len(LEAN_KINDS), len(LEAN_STATS),
+                                                                         count)
+            stats[:, :, _MEAN] = mean
+            stats[:, :, _STD] = std
+            stats[:, :, _NORM] = norms
+            if self.empty is not None:
+                stats[..., self.empty] = np.nan
+            if count_nonfinite is not None:
+                # NaN propagates into the sum and Inf into the sum of squares: both finite means no NaN/Inf
+                # anywhere (but for a float32 overflow of the norm, which the exact count then clears).
+                flagged = ~np.isfinite(sums[0] + squares[0])
+                if self.empty is not None:
+                    flagged[:, self.empty] = False
+                if flagged.any():
+                    count_nonfinite(flagged, stats[0, :, _NONFINITE])
+            table[:, _UPDATE_TO_DATA] = update_to_data(std[:, _UPDATE], std[:, _PARAM])
+            table[:, _GRAD_TO_DATA] = grad_to_data(std[:, _GRAD], std[:, _PARAM])
+            if self.no_grad:
+                no_grad = list(self.no_grad)
+                stats[:, _GRAD, :, no_grad] = np.nan
+                table[:, _GRAD_TO_DATA, no_grad] = np.nan
+        return table.swapaxes(1, 2)
 
 
 # Where LeanStep's table puts each statistic and kind (LEAN_STATS, LEAN_KINDS, LEAN_COLUMNS).

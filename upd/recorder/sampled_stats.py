@@ -135,7 +135,7 @@ class SampledStep:
                 tensors = {"param": live, "grad": grads}
                 self.exact_norms = _norms([tensors[kind][i].detach() for kind in pool.exact_norms
                                            for i in pool.sampled])
-        self.grad_norm = None  # after read: the total norm of `grads`, exact
+        self.grad_norm = None  # after read: the total norm of `grads` (exact), on the device
 
     def after_step(self, step) -> StatsRows:
         """The engine protocol: everything was launched before the step."""
@@ -159,16 +159,17 @@ class SampledStep:
             # the one synchronisation of the step
             host = torch.cat([p.double().reshape(-1) for p in parts]).cpu().numpy() if parts else np.zeros(0)
         table = np.empty((len(self.names), len(LEAN_COLUMNS)))
-        grad_squares = 0.0
         if self.exact is not None:
             table[pool.exact] = self.exact.rows(host[:exact_length]).table
-            grad_squares += self.exact.grad_norm ** 2
         if pool.sampled:
             table[pool.sampled] = self._table(host[exact_length:])
-            grad_norms = host[exact_length + 6 * len(pool.sampled):].reshape(len(pool.exact_norms), -1)[
-                pool.exact_norms.index("grad")]
-            grad_squares += float(np.sum(grad_norms * grad_norms))
-        self.grad_norm = float(np.sqrt(grad_squares))
+        with torch.no_grad():  # the exact parts' norms, on the device: read with the step's scalars
+            norms = [self.exact.grad_norm] if self.exact is not None else []
+            if pool.sampled:
+                at = pool.exact_norms.index("grad") * len(pool.sampled)
+                norms.append(torch.linalg.vector_norm(self.exact_norms[at:at + len(pool.sampled)],
+                                                      dtype=torch.float64))
+            self.grad_norm = norms[0] if len(norms) == 1 else torch.linalg.vector_norm(torch.stack(norms))
         return StatsRows(self.names, LEAN_COLUMNS, table)  # read as LeanStep's: {name: {column: value}}
 
     def _table(self, host: np.ndarray) -> np.ndarray:

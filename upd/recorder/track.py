@@ -438,8 +438,9 @@ class OptimizerTrack:
             rec.stats = pending.stats.after_step(pending)  # one device-to-host copy, whichever engine
             if pending.norm_from_stats:  # of the gradients as they came: unscaled as the step used them
                 norm = pending.stats.grad_norm
-                self._step_scalars[schema.SCALAR_GRAD_NORM_AT_STEP] = (
-                    norm if scaling is None else norm / scaling.scale_on_host())
+                if scaling is not None and scaling.grad_scale is not None:
+                    norm = norm / scaling.grad_scale.to(norm.device)
+                self._step_scalars[schema.SCALAR_GRAD_NORM_AT_STEP] = norm
         self._queue_scalars(step, rec.wall_time, logged)
         if pending.stats is not None:
             if scaling is not None:  # the gradients as the fused step used them (a job's parts included)

@@ -12,9 +12,10 @@ queue of 2 cost +5%, because h5py releases the GIL inside the actual write (a wr
 * Everything that touches HDF5 (opening the file, ``add_optimizer``, ``set_attr``, every record, ``close``) runs on
   the one writer thread, in the order it was called. ``RunWriter.write`` keeps the commit protocol (rows, flush,
   then the step marker, flush), so a reader never sees a half-written record.
-* Statistics-only records are committed in batches: up to ``HOLD_ROWS`` of them, for at most ``HOLD_SECONDS``,
-  written with one commit (``RunWriter.write`` of a list). One at a time, a statistics row cost 6.7 ms of writer
-  time on a 29-parameter model (flushes, per-dataset calls); in a batch of 64 about 0.1 ms. A batch is a list the
+* Statistics-only records are committed in batches: up to ``HOLD_ROWS`` of them (``HOLD_CELLS`` rows x parameters),
+  for at most ``HOLD_SECONDS``, written with one commit (``RunWriter.write`` of a list). One at a time, a statistics
+  row cost 6.7 ms of writer time on a 29-parameter model (flushes, per-dataset calls); in a batch of 64 about 0.07
+  ms, in a batch of 256 about 0.03 ms (docs/performance.md). A batch is a list the
   training thread appends to (``_Batch``): only its first row goes through the queue, as the batch itself, and wakes
   the writer thread, which then sleeps until the batch's deadline, until it is full, or until anything else is
   queued. Putting every row on the queue woke the writer thread at every step, a GIL round trip that cost 0.25 ms
@@ -65,7 +66,11 @@ _HOLD = "hold"  # a _Batch of statistics-only records; the training thread may s
 _BATCH_FULL = "batch full"  # the _Batch queued before is full: write it now
 _POLL_SECONDS = 0.05  # how often a blocked put checks that the writer thread is still alive
 _BATCH_LOCK_SECONDS = 1.0  # the longest the writer thread waits for a batch the training thread is appending to
-HOLD_ROWS = 64  # statistics-only records committed together at most (one chunk of the statistics table)
+# Statistics-only records committed together at most: a commit costs a few milliseconds whatever its rows (two
+# flushes, a disk reservation, the live-reading lock), which at 64 rows was most of the writer's time per row on a
+# small model (docs/performance.md); and at most this many rows x parameters (what a held batch keeps in memory).
+HOLD_ROWS = 256
+HOLD_CELLS = 1 << 17
 HOLD_SECONDS = 1.0  # the longest a statistics-only record waits to be committed
 FULL_BATCH = 16  # full records committed together at most (those already queued: at most max_pending + 1)
 
@@ -94,12 +99,16 @@ class _Batch:
     the writer thread closes it (`open` = False, under the shared lock) before it writes `rows`, so no row is added
     to a batch being written. ``deadline``: when its first row has waited HOLD_SECONDS."""
 
-    __slots__ = ("rows", "open", "deadline")
+    __slots__ = ("rows", "cells", "open", "deadline")
 
     def __init__(self, first):
         self.rows = [first]
+        self.cells = len(first.stats)  # rows x parameters so far
         self.open = True
         self.deadline = time.monotonic() + HOLD_SECONDS
+
+    def full(self) -> bool:
+        return len(self.rows) >= HOLD_ROWS or self.cells >= HOLD_CELLS
 
 
 class _Shared:
@@ -467,11 +476,12 @@ class AsyncRunWriter:
             batch = self._batch
             if batch is not None:
                 with self._shared.batch_lock:
-                    appended = batch.open and len(batch.rows) < HOLD_ROWS
+                    appended = batch.open and not batch.full()
                     if appended:
                         batch.rows.append(rec)
+                        batch.cells += len(rec.stats)
                 if appended:
-                    if len(batch.rows) >= HOLD_ROWS:  # full: the writer thread writes it now, not at its deadline
+                    if batch.full():  # the writer thread writes it now, not at its deadline
                         self._put((_BATCH_FULL, batch, None))
                     return
             item = (_HOLD, _Batch(rec), None)

@@ -29,15 +29,31 @@ class StatsRows(Mapping):
     for; the writer copies the table into the run as it is. Building a dict per parameter at every step cost the
     training thread, and unpacking them the writer thread, more than the statistics' numbers themselves on a small
     model. `names` is the same list object from step to step while the parameters stay the same: the writer keeps
-    its positions in the file by its identity."""
+    its positions in the file by its identity.
 
-    __slots__ = ("names", "columns", "table", "_index")
+    The table is either given, or made where it is first read from `numbers` (a 1-D float64 array, numbers already
+    on the host) by `maker`, an object whose ``tables(numbers)`` turns a (steps, n) stack of such arrays into their
+    (steps, parameters, columns) tables: the recorder hands the raw sums and norms of a step over, and the writer
+    thread makes the tables of the rows it writes together with one call (``fill_tables``), off the training
+    thread, at a fraction of the cost of one call per row."""
 
-    def __init__(self, names: list, columns: tuple, table: np.ndarray):
+    __slots__ = ("names", "columns", "_table", "maker", "numbers", "_index")
+
+    def __init__(self, names: list, columns: tuple, table: np.ndarray | None = None, *, maker=None,
+                 numbers: np.ndarray | None = None):
         self.names = names
         self.columns = columns
-        self.table = table
+        self._table = table
+        self.maker = maker
+        self.numbers = numbers
         self._index = None
+
+    @property
+    def table(self) -> np.ndarray:
+        if self._table is None:
+            self._table = self.maker.tables(self.numbers[None])[0]
+            self.maker = self.numbers = None
+        return self._table
 
     def _position(self, name) -> int:
         if self._index is None:
@@ -62,6 +78,23 @@ class StatsRows(Mapping):
 
     def __repr__(self) -> str:
         return f"<StatsRows {len(self.names)} parameters x {len(self.columns)} columns>"
+
+
+def fill_tables(rows: list) -> None:
+    """Make the tables of these StatsRows not made yet, one ``maker.tables`` call per run of rows that share a
+    maker (consecutive steps of one optimizer, the usual batch)."""
+    pending = [r for r in rows if isinstance(r, StatsRows) and r._table is None]
+    start = 0
+    while start < len(pending):
+        maker = pending[start].maker
+        stop = start + 1
+        while stop < len(pending) and pending[stop].maker is maker:
+            stop += 1
+        run = pending[start:stop]
+        tables = maker.tables(np.stack([r.numbers for r in run]))
+        for r, table in zip(run, tables):
+            r._table, r.maker, r.numbers = table, None, None
+        start = stop
 
 
 def _write_rows(ds: h5py.Dataset, start: int, rows: np.ndarray) -> None:
@@ -98,6 +131,7 @@ class StatsTableWriter:
         self.lr = st[schema.LR]
         self.hparams = st[schema.HPARAMS]
         self._last_hparams: str | None = None  # the last row's hparams text this writer wrote (rows store changes)
+        self._last_hparams_value: list | None = None  # the hparams that text was made of
         self.values = st[schema.VALUES] if schema.VALUES in st else None
         self._positions: dict[tuple, list] = {}  # a row's column names -> their positions in the table
         # The datasets' shapes, kept here: asking h5py for a shape is an HDF5 call each time. This writer is the only
@@ -128,6 +162,8 @@ class StatsTableWriter:
         where = [self.column_index[c] for c in stats.columns]
         rows = slice(0, len(rows)) if rows == list(range(len(rows))) else rows
         where = slice(0, len(where)) if where == list(range(len(where))) else where
+        if not (isinstance(rows, slice) and isinstance(where, slice)):  # made once: np.ix_ cost a row 8 us
+            rows, where = np.ix_(np.arange(len(self.params))[rows], np.arange(len(self.columns))[where])
         self._known_table = (stats.names, stats.columns, rows, where)
         return rows, where
 
@@ -191,32 +227,39 @@ class StatsTableWriter:
 
     def write(self, recs: list) -> None:
         """The rows of these statistics records (of this optimizer, in step order), after the committed ones."""
+        fill_tables([rec.stats for rec in recs])
         self._grow(recs)
         start = self._shapes["step"][0]
         stop = start + len(recs)
         block = np.full((len(recs), len(self.params), len(self.columns)), np.nan, dtype=VALUES_DTYPE)
-        for k, rec in enumerate(recs):
-            if isinstance(rec.stats, StatsRows):
-                rows, where = self._table_positions(rec.stats)
-                if isinstance(rows, slice) and isinstance(where, slice):
-                    block[k, rows, where] = rec.stats.table
-                else:
-                    block[k][np.ix_(np.arange(len(self.params))[rows], np.arange(len(self.columns))[where])] = \
-                        rec.stats.table
+        k = 0
+        while k < len(recs):
+            stats = recs[k].stats
+            if isinstance(stats, StatsRows):
+                # a run of rows laid out alike (the usual batch: all of them) goes in with one assignment
+                end = k + 1
+                while end < len(recs) and isinstance(recs[end].stats, StatsRows) and \
+                        recs[end].stats.names is stats.names and recs[end].stats.columns is stats.columns:
+                    end += 1
+                rows, where = self._table_positions(stats)
+                block[k:end][:, rows, where] = np.stack([rec.stats.table for rec in recs[k:end]])
+                k = end
                 continue
+            rec, row = recs[k], block[k]  # a {name: {column: value}} row (full statistics sets)
+            k += 1
             rows = [self.param_index[name] for name in rec.stats]
             keys = [tuple(values) for values in rec.stats.values()]
             if keys and all(key == keys[0] for key in keys):  # the usual row: every parameter the same columns
                 where = self._positions.get(keys[0])
                 if where is None:
                     where = self._positions[keys[0]] = [self.column_index[c] for c in keys[0]]
-                block[k][np.ix_(rows, where)] = [list(values.values()) for values in rec.stats.values()]
+                row[np.ix_(rows, where)] = [list(values.values()) for values in rec.stats.values()]
                 continue
             for r, key, values in zip(rows, keys, rec.stats.values()):
                 where = self._positions.get(key)
                 if where is None:
                     where = self._positions[key] = [self.column_index[c] for c in key]
-                block[k, r, where] = list(values.values())
+                row[r, where] = list(values.values())
         groups = max(len(rec.hparams) for rec in recs)
         if self._shapes["lr"][1] < groups:  # the group axis grows with add_param_group, NaN before a group existed
             self._resize("lr", [self._shapes["lr"][0], groups])
@@ -230,9 +273,12 @@ class StatsTableWriter:
             _write_rows(getattr(self, key), start, rows)
         texts = []
         for rec in recs:
+            if rec.hparams == self._last_hparams_value:  # the usual row: no JSON to write, none to make
+                texts.append("")
+                continue
             text = hparams_text(rec.hparams)
             texts.append("" if text == self._last_hparams else text)
-            self._last_hparams = text
+            self._last_hparams, self._last_hparams_value = text, rec.hparams
         self._extend("hparams", stop)
         self.hparams[start:stop] = texts  # strings: through h5py (a few per batch, most of them empty)
 
