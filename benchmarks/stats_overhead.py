@@ -291,7 +291,7 @@ def main() -> None:
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     warnings.simplefilter("error", upd.RecorderWarning)
-    plans = {"transformer": (gpt_workload, 6, 3), "mlp": (mlp_workload, 6, 4), "tiny": (tiny_workload, 8, 60)}
+    plans = {"transformer": (gpt_workload, 6, 3), "mlp": (mlp_workload, 6, 4), "tiny": (tiny_workload, 6, 300)}
     workdir = tempfile.mkdtemp(prefix="upd-stats-bench-")
     results = {}
     load_start = os.getloadavg()[0]

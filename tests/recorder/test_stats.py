@@ -173,7 +173,8 @@ def test_snapshot_only_on_recording_steps(tmp_path, monkeypatch):
         assert all(track.pending is None for track in rec._tracks)  # nothing held between steps
     rec.close()
     shapes = sorted(tuple(p.shape) for p in model.parameters())
-    assert per_step[0] == [("clone", s) for s in shapes]  # the parameters, before the step
+    # the parameters, before the step (and the full set's statistics copy tensors into their float64 buckets)
+    assert [c for c in per_step[0] if c[0] == "clone"] == [("clone", s) for s in shapes]
     # the parameters and gradients before the step, the parameters after it: into buffers
     assert per_step[3] == sorted([("copy", s) for s in shapes] * 3)
     assert per_step[1:3] == per_step[4:] == [[], []]

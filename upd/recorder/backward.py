@@ -83,9 +83,8 @@ class BackwardCounts:
             if key in self._hooked:
                 self._counts[key] += count
 
-    def passes(self, optimizer: torch.optim.Optimizer) -> int:
-        """Backward passes so far: the most any of the optimizer's parameters saw (a parameter without a gradient in
-        some passes saw fewer)."""
+    def passes(self, layout: tuple) -> int:
+        """Backward passes so far: the most any of an optimizer's parameters saw (`layout`: their ids,
+        ``track.layout_of``; a parameter without a gradient in some passes saw fewer)."""
         self._fold()
-        counts = self._counts
-        return max((counts[id(p)] for g in optimizer.param_groups for p in g["params"]), default=0)
+        return max(map(self._counts.__getitem__, layout), default=0)

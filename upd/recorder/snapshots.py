@@ -60,8 +60,13 @@ def state_snapshot(state: dict) -> dict:
 
 
 def hparams_snapshot(group: dict) -> dict:
-    """A param group's hyperparameters as JSON-able values (everything but the parameters themselves)."""
-    return {k: encoding.jsonable(v) for k, v in group.items() if k not in ("params", "param_names")}
+    """A param group's hyperparameters as JSON-able values (everything but the parameters themselves). Taken at
+    every recorded step: the plain values most of them are pass as they are."""
+    return {k: v if type(v) in _PLAIN else encoding.jsonable(v) for k, v in group.items() if k not in _NOT_HPARAMS}
+
+
+_PLAIN = (float, int, bool, str, type(None))
+_NOT_HPARAMS = ("params", "param_names")
 
 
 def refuse_unlike_param(tensor, param, what: str) -> None:

@@ -97,7 +97,10 @@ def gradients(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
 def layout_of(optimizer) -> tuple:
     """The optimizer's parameters by identity: names and hooks change only when this does (add_param_group, a
     swapped tensor), and a tuple of ids is far cheaper than naming every parameter again at every step."""
-    return tuple(id(p) for group in optimizer.param_groups for p in group["params"])
+    groups = optimizer.param_groups
+    if len(groups) == 1:
+        return tuple(map(id, groups[0]["params"]))
+    return tuple(id(p) for group in groups for p in group["params"])
 
 
 class OptimizerTrack:
@@ -180,7 +183,12 @@ class OptimizerTrack:
         """The end of a backward pass: the total gradient norm, when the next step is recorded, before anything
         between backward and step can change it."""
         if any(self.cadence(self.steps_done)):
-            norm = self._total_norm(gradients(self.optimizer))
+            plan = self._lean_plan  # its parameters are the optimizer's, in order: no walk over its groups
+            if plan is not None and plan.all_selected and plan.layout == layout_of(self.optimizer):
+                grads = [g for g in (p.grad for p in plan.live) if g is not None]
+            else:
+                grads = gradients(self.optimizer)
+            norm = self._total_norm(grads)
             if norm is not None:
                 self._backward_norm = norm
 
@@ -262,7 +270,7 @@ class OptimizerTrack:
                     # after the step (the lean set copies into buffers it keeps instead).
                     tracked.before = local_part(p.detach()).clone()
                 params.append(tracked)
-        backward = self.backward.passes(optimizer)
+        backward = self.backward.passes(self.layout)
         stats = self._lean_statistics(params) if lean else None
         if with_stats and stats is None:
             stats = StepStatistics(settings.zero_counts)
@@ -317,7 +325,7 @@ class OptimizerTrack:
             self._take_backward_norm()
             if not plan.all_selected:  # else the statistics' own per-gradient norms give it, after the step
                 self._step_scalars[schema.SCALAR_GRAD_NORM_AT_STEP] = total_norm(gradients(self.optimizer))
-        record = Record(optimizer=self.index, step=step, backward_pass=self.backward.passes(self.optimizer),
+        record = Record(optimizer=self.index, step=step, backward_pass=self.backward.passes(self.layout),
                         wall_time=time.time(), hparams=[hparams_snapshot(g) for g in self.optimizer.param_groups],
                         params=[], closure_losses=[] if closure_step else None, full=False)
         self.pending = StepInProgress(record=record, params=tracked, selected=False, closure=closure_step,
@@ -404,7 +412,7 @@ class OptimizerTrack:
             # The step's gradient is the first evaluation's, and its backward pass ran inside step(), after the
             # pre-hook counted: counted again here, or every step(closure) (Lightning's automatic optimization
             # steps so) would read one backward pass short.
-            pending.record.backward_pass = self.backward.passes(self.optimizer)
+            pending.record.backward_pass = self.backward.passes(self.layout)
         if first and "grad" in self.settings.what and pending.record.full:
             for tracked in pending.params:
                 if tracked.live.grad is not None:
