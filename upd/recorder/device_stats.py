@@ -32,6 +32,7 @@ from .snapshots import SPARSE_LAYOUTS, dense, local_part, wait_for_copies
 
 # Statistics of one tensor, in this order (columns "<kind>_<stat>" in the run file).
 NONFINITE = STATS.index("nonfinite")
+_REAL_FLOATING = frozenset((torch.float64, torch.float32, torch.float16, torch.bfloat16))
 
 # Below this size the exact two-pass std is cheap; above it the one-pass form (sum and sum of squares) saves two
 # passes over memory. One-pass loses precision only when |mean| >> std, which large weight matrices, gradients,
@@ -40,6 +41,8 @@ TWO_PASS_LIMIT = 4096
 
 
 def _prepared(t: torch.Tensor) -> torch.Tensor:
+    if t.dtype in _REAL_FLOATING and t.layout is torch.strided:  # the usual tensor: one check, not five
+        return t.detach().reshape(-1)
     t = t.detach()
     if t.layout in SPARSE_LAYOUTS:  # sparse gradients (nn.Embedding(sparse=True)) and parameters: the statistics
         t = t.to_dense()            # are those of the dense tensor, implicit zeros included, as the run stores it
@@ -89,42 +92,52 @@ def batched_stats(tensors: list[torch.Tensor]) -> torch.Tensor:
     """(len, 6) statistics of many small tensors on one device in a few ops per width bucket, whatever their number.
 
     Per-tensor reductions cost ~10 kernel launches each: on a transformer's biases, norm scales and step counters
-    that dispatch overhead, not memory, dominated. The tensors are copied, zero-padded, into float64 buckets of
-    power-of-four widths (one foreach copy each; ``SnapshotPool`` lays out the lean set's the same way) and each
-    bucket is reduced along its width: sum, L2 norm, abs max (ord=inf) and non-zero count, which zero padding does
-    not change. float64 keeps the one-pass std exact where |mean| >> std. (Segment reductions over one
-    concatenation, index_add and scatter_reduce, were this function's first form: 3 ms for the 116 tensors of a
-    tiny GPT's full set on the CPU, against 0.3 ms now.)"""
-    flats = [_prepared(t) for t in tensors]
+    that dispatch overhead, not memory, dominated. The tensors are laid out, zero-padded, in float64 buckets of
+    power-of-four widths (one concatenation and one indexed copy for all of them; ``SnapshotPool`` lays out the lean
+    set's the same way) and each bucket is reduced along its width: sum, L2 norm, abs max (ord=inf) and non-zero
+    count, which zero padding does not change. float64 keeps the one-pass std exact where |mean| >> std. (Segment
+    reductions over one concatenation, index_add and scatter_reduce, were this function's first form: 3 ms for the
+    116 tensors of a tiny GPT's full set on the CPU.)"""
+    return _bucketed_stats([_prepared(t) for t in tensors], np.ones(len(tensors), dtype=bool))
+
+
+def _bucketed_stats(flats: list[torch.Tensor], count_zeros: np.ndarray) -> torch.Tensor:
+    """``batched_stats`` of tensors already flat (``_prepared``), none of them empty; zero fractions only where
+    `count_zeros` (per tensor) says (NaN elsewhere): counting is the slowest of these reductions."""
     device = flats[0].device
-    widths: dict[int, list[int]] = {}
-    for i, f in enumerate(flats):
-        width = 64
-        while width < f.numel():
-            width *= 4
-        widths.setdefault(width, []).append(i)
-    order, parts = [], []
+    counts = np.fromiter((f.numel() for f in flats), dtype=np.int64, count=len(flats))
+    widths = np.full(len(flats), 64, dtype=np.int64)
+    while (widths < counts).any():
+        widths = np.where(widths < counts, widths * 4, widths)
+    buckets = widths * 2 + count_zeros  # a bucket: one width, zeros counted in all of its tensors or in none
+    order = np.argsort(buckets, kind="stable")  # bucket by bucket, each in input order
+    slots = np.concatenate([[0], np.cumsum(widths[order])])  # each tensor's place in the padded buffer, in `order`
+    sources = np.concatenate([[0], np.cumsum(counts[order])])
+    # where each element of the concatenation (in `order`) goes: its tensor's slot, plus its place in the tensor
+    positions = np.arange(sources[-1]) + np.repeat(slots[:-1] - sources[:-1], counts[order])
     with torch.no_grad():
-        for width, members in widths.items():
-            block = torch.zeros((len(members), width), dtype=torch.float64, device=device)
-            torch._foreach_copy_([block[row, :flats[i].numel()] for row, i in enumerate(members)],
-                                 [flats[i] for i in members])
-            parts.append(torch.stack([block.sum(1), torch.linalg.vector_norm(block, dim=1),
-                                      torch.linalg.vector_norm(block, ord=float("inf"), dim=1),
-                                      torch.count_nonzero(block, dim=1).double()], dim=1))
-            order += members
+        padded = torch.zeros(int(slots[-1]), dtype=torch.float64, device=device)
+        padded.index_copy_(0, torch.from_numpy(positions).to(device),
+                           torch.cat([flats[i] for i in order]).to(torch.float64))
+        parts, at = [], 0
+        for bucket in np.unique(buckets):
+            members, width = int((buckets == bucket).sum()), int(bucket // 2)
+            block = padded[at:at + members * width].view(members, width)
+            at += members * width
+            # amax and amin: two vectorised passes, several times faster than one vector_norm(ord=inf)
+            absmax = torch.maximum(block.amax(1), -block.amin(1))
+            nonzero = torch.count_nonzero(block, dim=1).double() if bucket % 2 else \
+                torch.full((members,), float("nan"), dtype=torch.float64, device=device)
+            parts.append(torch.stack([block.sum(1), torch.linalg.vector_norm(block, dim=1), absmax, nonzero], dim=1))
         sums, norms, absmax, nonzero = (torch.cat(parts) if len(parts) > 1 else parts[0]).T
-        n = torch.tensor([flats[i].numel() for i in order], dtype=torch.float64, device=device)
+        n = torch.from_numpy(counts[order].astype(np.float64)).to(device)
         mean = sums / n
         std = ((norms * norms - sums * mean).clamp_min(0) / (n - 1)).sqrt()
         std = torch.where(n > 1, std, torch.full_like(std, float("nan")))
         flag = (sums + absmax) * 0.0  # NaN exactly when a tensor holds NaN/Inf
         rows = torch.stack([mean, std, norms, absmax, (n - nonzero) / n, flag], dim=1).float()
-        if order != list(range(len(order))):
-            inverse = [0] * len(order)
-            for position, i in enumerate(order):
-                inverse[i] = position
-            rows = rows[torch.tensor(inverse, device=device)]
+        if (order != np.arange(len(order))).any():
+            rows = rows[torch.from_numpy(np.argsort(order)).to(device)]
     return rows
 
 
@@ -166,7 +179,7 @@ def stats_rows(tensors: list[torch.Tensor], count_zeros=True) -> torch.Tensor:
         blocks.append(_large_stats([flats[i] for i in large], [count_zeros[i] for i in large]))
         order += large
     if small:
-        blocks.append(batched_stats([flats[i] for i in small]))
+        blocks.append(_bucketed_stats([flats[i] for i in small], np.asarray([count_zeros[i] for i in small], bool)))
         order += small
     if empty:
         blocks.append(torch.full((len(empty), len(STATS)), float("nan"), device=flats[0].device))
@@ -177,10 +190,6 @@ def stats_rows(tensors: list[torch.Tensor], count_zeros=True) -> torch.Tensor:
         for position, i in enumerate(order):
             inverse[i] = position
         rows = rows[torch.tensor(inverse, device=rows.device)]
-    if not all(count_zeros):  # the batched small tensors were counted anyway: report only what was asked
-        keep = torch.tensor(count_zeros, device=rows.device)
-        zero_col = STATS.index("zero_frac")
-        rows[:, zero_col] = torch.where(keep, rows[:, zero_col], torch.full_like(rows[:, zero_col], float("nan")))
     return rows
 
 
@@ -196,12 +205,11 @@ def to_host(parts: list[torch.Tensor]) -> torch.Tensor:
     return torch.cat(parts).cpu()
 
 
-def count_nonfinite(host: torch.Tensor, tensors: list) -> None:
-    """Replace NaN flags in the host table by exact NaN/Inf counts, reading only the flagged tensors again.
-
-    Rows whose tensor is no longer available (None) keep NaN: "some, count unknown"."""
-    flagged = [i for i in range(host.shape[0]) if not math.isfinite(float(host[i, NONFINITE]))]
-    if not flagged:
+def count_nonfinite(host: np.ndarray, tensors: list) -> None:
+    """Replace NaN flags in the host table (a float array, changed in place) by exact NaN/Inf counts, reading only
+    the flagged tensors again. Rows whose tensor is no longer available (None) keep NaN: "some, count unknown"."""
+    flagged = np.flatnonzero(~np.isfinite(host[:, NONFINITE]))
+    if not flagged.size:
         return
     counts = [torch.count_nonzero(~torch.isfinite(_prepared(tensors[i]))).float() if tensors[i] is not None
               else None for i in flagged]
@@ -259,23 +267,31 @@ class StepStatistics:
         self.launch(update_keys, updates)
         return self.read()
 
-    def read(self) -> dict[str, dict[str, float]]:
-        """Everything launched, on the host, with update:data and grad:data per parameter."""
-        host = to_host(self._rows)
+    def read(self) -> StatsRows:
+        """Everything launched, on the host, with update:data and grad:data per parameter: a table of the parameters
+        and ``<kind>_<stat>`` columns of every kind launched (NaN where a parameter has no such tensor)."""
+        host = to_host(self._rows).double().numpy()
         sources = []
         for recount in self._recount:
             sources += recount() if callable(recount) else recount
         count_nonfinite(host, sources)
-        out: dict[str, dict[str, float]] = {}
-        for (name, kind), row in zip(self._keys, host.tolist()):
-            values = out.setdefault(name, {})
-            for stat, v in zip(STATS, row):
-                values[f"{kind}_{stat}"] = v
-        for values in out.values():
-            p_std = values.get("param_std", float("nan"))
-            values[UPDATE_TO_DATA] = float(update_to_data(values.get("update_std", float("nan")), p_std))
-            values[GRAD_TO_DATA] = float(grad_to_data(values.get("grad_std", float("nan")), p_std))
-        return out
+        names = list(dict.fromkeys(name for name, _ in self._keys))
+        kinds = list(dict.fromkeys(kind for _, kind in self._keys))
+        name_at = {name: i for i, name in enumerate(names)}
+        kind_at = {kind: i for i, kind in enumerate(kinds)}
+        values = np.full((len(names), len(kinds), len(STATS)), np.nan)
+        values[[name_at[name] for name, _ in self._keys], [kind_at[kind] for _, kind in self._keys]] = host
+        std = STATS.index("std")
+
+        def stds(kind):
+            return values[:, kind_at[kind], std] if kind in kind_at else np.full(len(names), np.nan)
+        table = np.empty((len(names), len(kinds) * len(STATS) + 2))
+        table[:, :-2] = values.reshape(len(names), -1)
+        with np.errstate(invalid="ignore", divide="ignore"):
+            table[:, -2] = update_to_data(stds("update"), stds("param"))
+            table[:, -1] = grad_to_data(stds("grad"), stds("param"))
+        columns = tuple(f"{kind}_{stat}" for kind in kinds for stat in STATS) + (UPDATE_TO_DATA, GRAD_TO_DATA)
+        return StatsRows(names, columns, table)
 
 
 # -- the lean set: the default at every statistics step ------------------------------------------------------------
