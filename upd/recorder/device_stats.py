@@ -128,11 +128,13 @@ def _bucketed_stats(flats: list[torch.Tensor], count_zeros: np.ndarray) -> torch
             absmax = torch.maximum(block.amax(1), -block.amin(1))
             nonzero = torch.count_nonzero(block, dim=1).double() if bucket % 2 else \
                 torch.full((members,), float("nan"), dtype=torch.float64, device=device)
-            parts.append(torch.stack([block.sum(1), torch.linalg.vector_norm(block, dim=1), absmax, nonzero], dim=1))
-        sums, norms, absmax, nonzero = (torch.cat(parts) if len(parts) > 1 else parts[0]).T
+            # sums of squares, not norms: a constant tensor's std is exactly 0
+            parts.append(torch.stack([block.sum(1), torch.linalg.vecdot(block, block, dim=1), absmax, nonzero], dim=1))
+        sums, squares, absmax, nonzero = (torch.cat(parts) if len(parts) > 1 else parts[0]).T
         n = torch.from_numpy(counts[order].astype(np.float64)).to(device)
         mean = sums / n
-        std = ((norms * norms - sums * mean).clamp_min(0) / (n - 1)).sqrt()
+        norms = squares.sqrt()
+        std = ((squares - sums * mean).clamp_min(0) / (n - 1)).sqrt()
         std = torch.where(n > 1, std, torch.full_like(std, float("nan")))
         flag = (sums + absmax) * 0.0  # NaN exactly when a tensor holds NaN/Inf
         rows = torch.stack([mean, std, norms, absmax, (n - nonzero) / n, flag], dim=1).float()
@@ -296,6 +298,9 @@ class StepStatistics:
 
 # -- the lean set: the default at every statistics step ------------------------------------------------------------
 
+# Small tensors are reduced in chunks of this many elements (SnapshotPool): the host adds a tensor's chunks up.
+CHUNK = 64
+
 # Tensors of up to this many elements are reduced together from one flat buffer: a per-tensor reduction would cost
 # its dispatch (a few microseconds) and not its bytes. Larger ones get their own sum and norm, each in one pass.
 SMALL_LIMIT = 4096
@@ -319,17 +324,15 @@ class SnapshotPool:
     """The buffers one optimizer's lean statistics reuse from step to step, so that no step allocates (a fresh clone
     per tensor and step cost page faults and allocator work as well as the copy):
 
-    * small tensors (up to SMALL_LIMIT elements) live in float64 buckets, one per power-of-four width, all of them
-      blocks of one zero-padded (3, total width) allocation (``store``): row 0 holds each parameter before the step,
-      row 1 its gradient, row 2 its value after the step, which one subtraction for all buckets turns into
-      before - after. Each is a foreach copy into views for all tensors; after the step, a sum and a norm along
-      the last axis of each bucket's (3, count, width) block reduce all three kinds of all its tensors at once,
-      straight into the step's host buffer (``small_host``). On a small model the cost of a step is the number of
-      ops, not their bytes: this is about ten, whatever the number of tensors. float64 keeps the one-pass std
-      exact where |mean| >> std (norm-layer scales near 1 are small tensors) and the update exact (the difference
-      of two float32 numbers is a float64 one); reducing float64 data was also faster than reducing float32 data
-      with a float64 accumulator (docs/performance.md). Widths grow by 4x: fewer buckets (ops) for at most 4x
-      padding of tensors that are small anyway;
+    * small tensors (up to SMALL_LIMIT elements) live in one zero-padded float64 (3, width) buffer (``store``), each
+      at a CHUNK-aligned place: row 0 holds each parameter before the step, row 1 its gradient, row 2 its value
+      after the step, which one subtraction turns into before - after. Each row is filled by one foreach copy for
+      all tensors; after the step, one sum and one norm over the (3, chunks, CHUNK) view reduce everything, straight
+      into the step's host buffer (``small_host``), and the host adds each tensor's chunks up (``LeanTables``). On a
+      small model the cost of a step is its number of ops, not their bytes: this is six, whatever the number of
+      tensors. float64 keeps the one-pass std exact where |mean| >> std (norm-layer scales near 1 are small
+      tensors) and the update exact (the difference of two float32 numbers is a float64 one); reducing float64 data
+      was also faster than reducing float32 data with a float64 accumulator (docs/performance.md);
     * each large parameter gets a snapshot buffer of its own dtype.
 
     Rebuilt when the parameters change (add_param_group, a swapped tensor, a new shape). Holds one copy of the
@@ -346,32 +349,21 @@ class SnapshotPool:
             return self
         device = params[0].device
         sizes = [p.numel() for p in params]
-        widths: dict[int, list[int]] = {}
-        for i, n in enumerate(sizes):
-            if n <= SMALL_LIMIT:
-                width = 64
-                while width < n:
-                    width *= 4
-                widths.setdefault(width, []).append(i)
-        k = sum(len(members) for members in widths.values())
-        # (sums, norms) x (parameters, gradients, before - after) x tensors: the small tensors' part of a step's
-        # one host copy
-        self.small_host = torch.zeros((2, len(LEAN_KINDS), k), dtype=torch.float64, device=device)
-        ordered = sorted(widths.items())
-        self.store = torch.zeros((len(LEAN_KINDS), sum(width * len(members) for width, members in ordered)),
-                                 dtype=torch.float64, device=device)
-        self.buckets = []  # per bucket: its (3, count, width) block and the host buffer's views its reductions fill
-        self.small, self.param_views, self.grad_views, self.after_views = [], [], [], []
-        offset = 0
-        for width, members in ordered:
-            block = self.store[:, offset:offset + width * len(members)].view(len(LEAN_KINDS), len(members), width)
-            offset += width * len(members)
-            at = slice(len(self.small), len(self.small) + len(members))
-            self.buckets.append((block, self.small_host[0, :, at], self.small_host[1, :, at]))
-            for row, i in enumerate(members):
-                self.small.append(i)
-                for views, kind in ((self.param_views, 0), (self.grad_views, 1), (self.after_views, 2)):
-                    views.append(block[kind, row, :sizes[i]].view(params[i].shape))
+        self.small = [i for i, n in enumerate(sizes) if n <= SMALL_LIMIT]
+        # each small tensor at a CHUNK-aligned place of the store, zero-padded to whole chunks
+        chunks = np.array([-(-sizes[i] // CHUNK) for i in self.small], dtype=np.int64)
+        starts = np.concatenate([[0], np.cumsum(chunks)]).astype(np.int64)
+        self.store = torch.zeros((len(LEAN_KINDS), int(starts[-1]) * CHUNK), dtype=torch.float64, device=device)
+        self.blocks = self.store.view(len(LEAN_KINDS), int(starts[-1]), CHUNK)
+        # (sums, norms) x (parameters, gradients, before - after) x chunks: the small tensors' part of a step's one
+        # host copy
+        self.small_host = torch.zeros((2, len(LEAN_KINDS), int(starts[-1])), dtype=torch.float64, device=device)
+        self.param_views, self.grad_views, self.after_views = [], [], []
+        for j, i in enumerate(self.small):
+            at = int(starts[j]) * CHUNK
+            for views, kind in ((self.param_views, 0), (self.grad_views, 1), (self.after_views, 2)):
+                views.append(self.store[kind, at:at + sizes[i]].view(params[i].shape))
+        self.grad_squares = self.small_host[1, LEAN_KINDS.index("grad")]  # the gradients' chunks' sums of squares
         # Last parameter first: the optimizer steps the first parameter first, so before the step the last tensors
         # this pool read are the first the optimizer reads; after it, the first read here the last it wrote.
         self.large = [i for i, n in reversed(list(enumerate(sizes))) if n > SMALL_LIMIT]
@@ -379,28 +371,13 @@ class SnapshotPool:
         self.numel = n = np.asarray(sizes, dtype=np.float64)
         with np.errstate(divide="ignore"):
             self.tables = LeanTables(
-                order=self._host_order(),
+                chunk_starts=starts[:-1], chunk_count=int(starts[-1]), small=np.asarray(self.small, dtype=np.intp),
+                large=np.asarray(self.large, dtype=np.intp),
                 inverse_n=np.where(n > 0, 1 / n, np.nan),  # an empty tensor's statistics are NaN
                 inverse_n_1=np.where(n > 1, 1 / (n - 1), np.nan),  # the unbiased std of one number too
                 empty=(n == 0) if (n == 0).any() else None)
-        self.grad_norms = self.small_host[1, LEAN_KINDS.index("grad")]  # each small gradient's norm
         self.key = key
         return self
-
-    def _host_order(self) -> np.ndarray:
-        """Where each number of a step's host copy (laid out as LeanStep launches its reductions) goes in a
-        (sum or norm, LEAN_KINDS, parameter) table: one gather on the host puts all of them in place."""
-        count = len(self.numel)
-
-        def at(stat, kind, i):
-            return (stat * len(LEAN_KINDS) + kind) * count + i
-        small, large = self.small, self.large
-        where = [at(stat, kind, i) for stat in (0, 1) for kind in (0, 1, 2) for i in small]  # small_host
-        where += [at(stat, kind, i) for i in large for kind in (0, 1) for stat in (0, 1)]  # large, before the step
-        where += [at(stat, 2, i) for i in large for stat in (0, 1)]  # large, after it
-        order = np.empty(len(where), dtype=np.intp)
-        order[np.asarray(where, dtype=np.intp)] = np.arange(len(where))
-        return order
 
 
 class LeanStep:
@@ -501,9 +478,9 @@ class LeanStep:
                 torch._foreach_copy_(pool.after_views, [after[i] for i in pool.small])
                 # The new values become before - after = -update, in place: the sign is undone on the host.
                 torch.sub(pool.store[0], pool.store[2], out=pool.store[2])
-                for block, sums, norms in pool.buckets:
-                    torch.sum(block, 2, out=sums)
-                    torch.linalg.vector_norm(block, dim=2, out=norms)
+                torch.sum(pool.blocks, 2, out=pool.small_host[0])
+                # sums of squares, not norms: a constant tensor's (a norm-layer scale at its init) std is exactly 0
+                torch.linalg.vecdot(pool.blocks, pool.blocks, dim=2, out=pool.small_host[1])
                 parts.append(pool.small_host)
             reductions = []
             for buffer, i in zip(pool.buffers, large):
@@ -513,10 +490,10 @@ class LeanStep:
             if reductions:
                 parts += [self.large_before, torch.stack(reductions)]
             if self.grads is not None and not self.closure:  # launched with the rest, read with the step's scalars
-                norms = [pool.grad_norms] if pool.small else []
+                squares = [pool.grad_squares] if pool.small else []
                 if large:
-                    norms.append(self.large_before[3::4].double())
-                self.grad_norm = torch.linalg.vector_norm(norms[0] if len(norms) == 1 else torch.cat(norms))
+                    squares.append(self.large_before[3::4].double().square())
+                self.grad_norm = (squares[0] if len(squares) == 1 else torch.cat(squares)).sum().sqrt()
         return parts
 
     def _take_closure_gradients(self) -> None:
@@ -557,10 +534,14 @@ class LeanStep:
 @dataclasses.dataclass(frozen=True, eq=False)  # compared by identity (fill_tables)
 class LeanTables:
     """What turns lean steps' host numbers into their tables (the ``maker`` of their ``StatsRows``): where each
-    number goes (``order``, see ``SnapshotPool._host_order``) and the tensors' element counts. Made with the pool's
-    layout and never changed: a table made on the writer thread after the pool has moved on reads its own step's."""
+    tensor's numbers are (its chunks' among the small tensors', its own among the large ones') and the tensors'
+    element counts. Made with the pool's layout and never changed: a table made on the writer thread after the pool
+    has moved on reads its own step's."""
 
-    order: np.ndarray
+    chunk_starts: np.ndarray  # each small tensor's first chunk (SnapshotPool.store)
+    chunk_count: int  # the store's chunks
+    small: np.ndarray  # which parameters are small, in the store's order
+    large: np.ndarray  # which are large, in LeanStep's order
     inverse_n: np.ndarray  # 1 / elements (NaN for an empty tensor)
     inverse_n_1: np.ndarray  # 1 / (elements - 1) (NaN for fewer than two)
     empty: np.ndarray | None  # which tensors are empty; None when none is
@@ -570,16 +551,37 @@ class LeanTables:
     def without_gradients(cls, tables: "LeanTables", no_grad: list) -> "LeanTables":
         return dataclasses.replace(tables, no_grad=tuple(no_grad))
 
+    def sums_and_squares(self, numbers: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(steps, LEAN_KINDS, P) sums and sums of squares of every tensor, from (steps, n) host copies: the small
+        tensors' chunks added up, the large tensors' norms squared."""
+        steps, count = numbers.shape[0], len(self.inverse_n)
+        sums, squares = np.zeros((steps, len(LEAN_KINDS), count)), np.zeros((steps, len(LEAN_KINDS), count))
+        at = 0
+        if len(self.small):
+            total = 2 * len(LEAN_KINDS) * self.chunk_count
+            chunks = numbers[:, :total].reshape(steps, 2, len(LEAN_KINDS), self.chunk_count)
+            at = total
+            sums[:, :, self.small] = np.add.reduceat(chunks[:, 0], self.chunk_starts, axis=2)
+            squares[:, :, self.small] = np.add.reduceat(chunks[:, 1], self.chunk_starts, axis=2)
+        if len(self.large):
+            before = numbers[:, at:at + 4 * len(self.large)].reshape(steps, len(self.large), 2, 2)  # (p, g) x (s, n)
+            after = numbers[:, at + 4 * len(self.large):].reshape(steps, len(self.large), 2)
+            sums[:, :2, self.large] = before[:, :, :, 0].swapaxes(1, 2)
+            squares[:, :2, self.large] = before[:, :, :, 1].swapaxes(1, 2) ** 2
+            sums[:, 2, self.large] = after[:, :, 0]
+            squares[:, 2, self.large] = after[:, :, 1] ** 2
+        return sums, squares
+
     def tables(self, numbers: np.ndarray, count_nonfinite: Callable | None = None) -> np.ndarray:
         """(steps, P, len(LEAN_COLUMNS)) tables, from (steps, n) host copies of lean steps (each the sums and norms
         of every parameter, gradient and before - after): each parameter's lean statistics and its two ratios.
         `count_nonfinite(flagged, counts)` fills exact NaN/Inf counts of the flagged (LEAN_KINDS, P) tensors of a
         one-step stack; without it there is none (the caller checked)."""
         steps, count = numbers.shape[0], len(self.inverse_n)
-        sums, norms = numbers[:, self.order].reshape(steps, 2, len(LEAN_KINDS), count).swapaxes(0, 1)
+        sums, squares = self.sums_and_squares(numbers)
         sums[:, _UPDATE] *= -1  # the update's: reduced from before - after
         with np.errstate(invalid="ignore", divide="ignore", over="ignore"):
-            squares = norms * norms
+            norms = np.sqrt(squares)
             mean = sums * self.inverse_n
             std = np.sqrt(np.maximum(squares - sums * mean, 0.0) * self.inverse_n_1)
             table = np.zeros((steps, len(LEAN_COLUMNS), count))
