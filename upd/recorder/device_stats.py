@@ -9,12 +9,13 @@ Two sets, two costs (docs/performance.md has the measurements):
 * The **lean set** (``LeanStep``, the default at every statistics step): mean, std, norm and NaN/Inf count of each
   parameter, its gradient and its update, so update:data and grad:data. Two reductions per tensor (a sum and a sum
   of squares), the parameter snapshot copied into buffers kept between steps (``SnapshotPool``), the update formed
-  in place in them, and every tensor of up to ``SMALL_LIMIT`` elements reduced together from zero-padded float64
-  buckets (a few ops for all of them, whatever their number). That costs less than the hand-written loop it
-  replaces (a clone and two ``std()`` per weight) on a transformer and a wide MLP; on a tiny model the recorder's
-  own work per step is still about 2-3x the hand loop's (docs/performance.md says where it goes).
+  in place in them, and every tensor of up to ``SMALL_LIMIT`` elements reduced together, in chunks, from one
+  zero-padded float64 store (six ops for all of them, whatever their number); the host adds the chunks up and
+  makes the table on the writer thread (``LeanTables``). That costs less than the hand-written loop it replaces (a
+  clone and two ``std()`` per weight) on a transformer and a wide MLP; on a tiny model the recorder's own work per
+  step is still about 2x the hand loop's (docs/performance.md says where it goes).
 * The **full set** (``StepStatistics``, every ``full_stats_every``-th step): also abs max, fractions of exact
-  zeros, and the same statistics of every optimizer-state tensor; four passes per tensor.
+  zeros, and the same statistics of every optimizer-state tensor.
 """
 from __future__ import annotations
 
