@@ -120,8 +120,12 @@ class Recorded(Plain):
         return time.clock_gettime(self.writer_clock) if self.writer_clock is not None else 0.0
 
     def drain(self):
-        """Wait (sleeping: no CPU time) until the writer thread has written every record handed to it."""
+        """Wait, blocked (no CPU time), until the writer thread has written every record handed to it: a call queued
+        behind them returns once they are (the writer writes a held batch before any call). Polling in a sleep loop
+        cost the process ~0.1 ms of CPU per step here while a batch waited for its deadline."""
         writer = self.rec._writer
+        if hasattr(writer, "_call"):
+            writer._call(lambda: None)
         while getattr(writer, "records_written", self.rec.records) < self.rec.records and writer.error is None:
             time.sleep(0.0005)
 

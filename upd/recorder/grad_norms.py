@@ -8,8 +8,8 @@ control returns to the training loop, and computes the total norm of every gradi
 device: no synchronisation). With gradient accumulation each backward pass computes it again, and the last one
 before the step is what clipping saw. The value is read with the step's other logged scalars. Cost: one pass over
 the gradients per backward pass of a recorded step, like one extra ``clip_grad_norm_`` without the rescaling. The
-norm as the step saw it costs nothing more at a lean statistics step: it is the norm of the per-gradient norms
-those statistics take anyway (``device_stats.LeanStep.grad_norm``).
+norm as the step saw it costs nothing more at a lean statistics step: it is the root of the gradients' sums of
+squares those statistics take anyway (``device_stats.LeanStep.grad_norm``).
 """
 from __future__ import annotations
 

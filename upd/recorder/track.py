@@ -284,9 +284,9 @@ class OptimizerTrack:
                                       stats=stats)
 
     def _start_lean_step(self, step: int, closure_step: bool, sampled: bool) -> bool:
-        """A lean statistics step of a single-process run, started from the layout's LeanPlan: the statistics
-        launched before the step and the total gradient norm as the step sees it taken from their per-gradient norms
-        (no pass of its own). False, having done nothing, where the general path must take the step: DTensors,
+        """A lean statistics step of a single-process run, started from the layout's LeanPlan: the statistics' copies
+        taken before the step, and the total gradient norm as the step sees it taken after it from their sums of
+        squares (no pass of its own). False, having done nothing, where the general path must take the step: DTensors,
         tensors the lean set does not take (lean_applies), no parameter with a gradient. A step(closure) has no
         gradient yet: the parameters are copied now and the gradients reduced after the step (LeanStep with
         grads=None, exact statistics whatever stats_sample says), and the step's total norm is taken when the
