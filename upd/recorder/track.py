@@ -313,8 +313,12 @@ class OptimizerTrack:
                 stats_meta = {name: stats_meta[name] for name in names}
                 grads = [g for g in grads if g is not None]
             # The parameters were checked with the plan (lean_applies); autograd gives a gradient its parameter's
-            # shape, dtype and device, but a sparse one is the general path's (nn.Embedding(sparse=True)).
+            # shape, dtype and device, but a sparse one (nn.Embedding(sparse=True)) and a DTensor one of a plain
+            # parameter are the general path's (which refuses the latter by name).
             if not grads or not all(g.layout is torch.strided for g in grads):
+                return False
+            dtensor = dtensor_class()
+            if dtensor is not None and any(isinstance(g, dtensor) for g in grads):
                 return False
             if sampled:  # single-process runs only: a DTensor's local parts get the exact set
                 if self.sampled_pool is None:
