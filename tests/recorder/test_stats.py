@@ -351,3 +351,28 @@ def test_lean_set_keeps_the_std_of_a_scale_near_one():
     n = 256
     one_pass_f32 = math.sqrt(max(0.0, (before.norm().item() ** 2 - before.sum().item() ** 2 / n) / (n - 1)))
     assert abs(one_pass_f32 - exact) > 100 * abs(got["param_std"] - exact)
+
+
+@pytest.mark.parametrize("order", ["empty last", "empty first", "empty between"])
+def test_lean_set_takes_an_empty_parameter_anywhere(order):
+    """An empty parameter's lean statistics are NaN and its neighbours' exact, wherever it sits among the small
+    tensors (the host adds each tensor's chunks up from its first one: the last one, empty, had none)."""
+    torch.manual_seed(0)
+    a, empty, b = (nn.Parameter(torch.randn(n)) for n in (70, 0, 5))
+    params = {"empty last": [a, b, empty], "empty first": [empty, a, b], "empty between": [a, empty, b]}[order]
+    for p in params:
+        p.grad = torch.randn_like(p)
+    befores = [p.detach().clone() for p in params]
+    step = stats_mod.LeanStep(stats_mod.SnapshotPool(), [str(i) for i in range(3)], params, params,
+                              [p.grad for p in params])
+    with torch.no_grad():
+        for p in params:
+            p -= 0.1 * p.grad
+    rows = step.read()
+    for i, (p, before) in enumerate(zip(params, befores)):
+        got = rows[str(i)]
+        if p.numel() == 0:
+            assert np.isnan([got["param_mean"], got["grad_std"], got["update_norm"]]).all()
+            continue
+        assert got["param_std"] == pytest.approx(before.double().std().item(), rel=1e-6)
+        assert got["update_norm"] == pytest.approx((p.detach() - before).double().norm().item(), rel=1e-6)

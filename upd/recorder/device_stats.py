@@ -351,8 +351,9 @@ class SnapshotPool:
         device = params[0].device
         sizes = [p.numel() for p in params]
         self.small = [i for i, n in enumerate(sizes) if n <= SMALL_LIMIT]
-        # each small tensor at a CHUNK-aligned place of the store, zero-padded to whole chunks
-        chunks = np.array([-(-sizes[i] // CHUNK) for i in self.small], dtype=np.int64)
+        # each small tensor at a CHUNK-aligned place of the store, zero-padded to whole chunks (an empty one gets a
+        # chunk of zeros too: the host adds up each tensor's chunks from its first, which must exist)
+        chunks = np.array([max(1, -(-sizes[i] // CHUNK)) for i in self.small], dtype=np.int64)
         starts = np.concatenate([[0], np.cumsum(chunks)]).astype(np.int64)
         self.store = torch.zeros((len(LEAN_KINDS), int(starts[-1]) * CHUNK), dtype=torch.float64, device=device)
         self.blocks = self.store.view(len(LEAN_KINDS), int(starts[-1]), CHUNK)
