@@ -10,8 +10,8 @@ Two sets, two costs (docs/performance.md has the measurements):
   parameter, its gradient and its update, so update:data and grad:data. Two reductions per tensor (a sum and a sum
   of squares), the parameter snapshot copied into buffers kept between steps (``SnapshotPool``), the update formed
   in place in them, and every tensor of up to ``SMALL_LIMIT`` elements reduced together, in chunks, from one
-  zero-padded float64 store (six ops for all of them, whatever their number); the host adds the chunks up and
-  makes the table on the writer thread (``LeanTables``). That costs less than the hand-written loop it replaces (a
+  zero-padded float64 store (seven ops for all of them, whatever their number); the writer thread makes the table
+  (``LeanTables``). That costs less than the hand-written loop it replaces (a
   clone and two ``std()`` per weight) on a transformer and a wide MLP; on a tiny model the recorder's own work per
   step is still about 2x the hand loop's (docs/performance.md says where it goes).
 * The **full set** (``StepStatistics``, every ``full_stats_every``-th step): also abs max, fractions of exact
@@ -299,7 +299,7 @@ class StepStatistics:
 
 # -- the lean set: the default at every statistics step ------------------------------------------------------------
 
-# Small tensors are reduced in chunks of this many elements (SnapshotPool): the host adds a tensor's chunks up.
+# Small tensors are reduced in chunks of this many elements (SnapshotPool), then each tensor's chunks added up.
 CHUNK = 64
 
 # Tensors of up to this many elements are reduced together from one flat buffer: a per-tensor reduction would cost
@@ -328,10 +328,10 @@ class SnapshotPool:
     * small tensors (up to SMALL_LIMIT elements) live in one zero-padded float64 (3, width) buffer (``store``), each
       at a CHUNK-aligned place: row 0 holds each parameter before the step, row 1 its gradient, row 2 its value
       after the step, which one subtraction turns into before - after. Each row is filled by one foreach copy for
-      all tensors; after the step, one sum and one norm over the (3, chunks, CHUNK) view reduce everything, straight
-      into the step's host buffer (``small_host``), and the host adds each tensor's chunks up (``LeanTables``). On a
-      small model the cost of a step is its number of ops, not their bytes: this is six, whatever the number of
-      tensors. float64 keeps the one-pass std exact where |mean| >> std (norm-layer scales near 1 are small
+      all tensors; after the step, one sum and one sum of squares over the (3, chunks, CHUNK) view reduce
+      everything, and one indexed addition adds each tensor's chunks up, straight into the step's host buffer
+      (``small_host``). On a small model the cost of a step is its number of ops, not their bytes: this is
+      seven, whatever the number of tensors. float64 keeps the one-pass std exact where |mean| >> std (norm-layer scales near 1 are small
       tensors) and the update exact (the difference of two float32 numbers is a float64 one); reducing float64 data
       was also faster than reducing float32 data with a float64 accumulator (docs/performance.md);
     * each large parameter gets a snapshot buffer of its own dtype.
@@ -352,20 +352,25 @@ class SnapshotPool:
         sizes = [p.numel() for p in params]
         self.small = [i for i, n in enumerate(sizes) if n <= SMALL_LIMIT]
         # each small tensor at a CHUNK-aligned place of the store, zero-padded to whole chunks (an empty one gets a
-        # chunk of zeros too: the host adds up each tensor's chunks from its first, which must exist)
+        # chunk of zeros too, so that every tensor owns a chunk)
         chunks = np.array([max(1, -(-sizes[i] // CHUNK)) for i in self.small], dtype=np.int64)
         starts = np.concatenate([[0], np.cumsum(chunks)]).astype(np.int64)
         self.store = torch.zeros((len(LEAN_KINDS), int(starts[-1]) * CHUNK), dtype=torch.float64, device=device)
         self.blocks = self.store.view(len(LEAN_KINDS), int(starts[-1]), CHUNK)
-        # (sums, norms) x (parameters, gradients, before - after) x chunks: the small tensors' part of a step's one
-        # host copy
-        self.small_host = torch.zeros((2, len(LEAN_KINDS), int(starts[-1])), dtype=torch.float64, device=device)
+        # (sums, sums of squares) x (parameters, gradients, before - after) x chunks, then x tensors: each tensor's
+        # chunks added up by one indexed addition (``chunk_owner``: a chunk's tensor; a product with a 0/1 matrix
+        # would spread one tensor's NaN to all), the small tensors' part of a step's one host copy (the writer
+        # thread adding chunks up for a batch cost it ~20 us a row)
+        self.chunk_sums = torch.zeros((2 * len(LEAN_KINDS), int(starts[-1])), dtype=torch.float64, device=device)
+        self.chunk_owner = torch.from_numpy(np.repeat(np.arange(len(self.small)), chunks)).to(device)
+        self.no_sums = torch.zeros((2 * len(LEAN_KINDS), len(self.small)), dtype=torch.float64, device=device)
+        self.small_host = torch.zeros((2, len(LEAN_KINDS), len(self.small)), dtype=torch.float64, device=device)
         self.param_views, self.grad_views, self.after_views = [], [], []
         for j, i in enumerate(self.small):
             at = int(starts[j]) * CHUNK
             for views, kind in ((self.param_views, 0), (self.grad_views, 1), (self.after_views, 2)):
                 views.append(self.store[kind, at:at + sizes[i]].view(params[i].shape))
-        self.grad_squares = self.small_host[1, LEAN_KINDS.index("grad")]  # the gradients' chunks' sums of squares
+        self.grad_squares = self.small_host[1, LEAN_KINDS.index("grad")]  # each small gradient's sum of squares
         # Last parameter first: the optimizer steps the first parameter first, so before the step the last tensors
         # this pool read are the first the optimizer reads; after it, the first read here the last it wrote.
         self.large = [i for i, n in reversed(list(enumerate(sizes))) if n > SMALL_LIMIT]
@@ -373,7 +378,7 @@ class SnapshotPool:
         self.numel = n = np.asarray(sizes, dtype=np.float64)
         with np.errstate(divide="ignore"):
             self.tables = LeanTables(
-                chunk_starts=starts[:-1], chunk_count=int(starts[-1]), small=np.asarray(self.small, dtype=np.intp),
+                small=np.asarray(self.small, dtype=np.intp),
                 large=np.asarray(self.large, dtype=np.intp),
                 inverse_n=np.where(n > 0, 1 / n, np.nan),  # an empty tensor's statistics are NaN
                 inverse_n_1=np.where(n > 1, 1 / (n - 1), np.nan),  # the unbiased std of one number too
@@ -480,9 +485,12 @@ class LeanStep:
                 torch._foreach_copy_(pool.after_views, [after[i] for i in pool.small])
                 # The new values become before - after = -update, in place: the sign is undone on the host.
                 torch.sub(pool.store[0], pool.store[2], out=pool.store[2])
-                torch.sum(pool.blocks, 2, out=pool.small_host[0])
+                chunks = pool.chunk_sums.view(2, len(LEAN_KINDS), -1)
+                torch.sum(pool.blocks, 2, out=chunks[0])
                 # sums of squares, not norms: a constant tensor's (a norm-layer scale at its init) std is exactly 0
-                torch.linalg.vecdot(pool.blocks, pool.blocks, dim=2, out=pool.small_host[1])
+                torch.linalg.vecdot(pool.blocks, pool.blocks, dim=2, out=chunks[1])
+                torch.index_add(pool.no_sums, 1, pool.chunk_owner, pool.chunk_sums,
+                                out=pool.small_host.view(2 * len(LEAN_KINDS), -1))
                 parts.append(pool.small_host)
             reductions = []
             for buffer, i in zip(pool.buffers, large):
@@ -536,12 +544,9 @@ class LeanStep:
 @dataclasses.dataclass(frozen=True, eq=False)  # compared by identity (fill_tables)
 class LeanTables:
     """What turns lean steps' host numbers into their tables (the ``maker`` of their ``StatsRows``): where each
-    tensor's numbers are (its chunks' among the small tensors', its own among the large ones') and the tensors'
-    element counts. Made with the pool's layout and never changed: a table made on the writer thread after the pool
+    tensor's numbers are (among the small tensors' or the large ones') and the tensors' element counts. Made with the pool's layout and never changed: a table made on the writer thread after the pool
     has moved on reads its own step's."""
 
-    chunk_starts: np.ndarray  # each small tensor's first chunk (SnapshotPool.store)
-    chunk_count: int  # the store's chunks
     small: np.ndarray  # which parameters are small, in the store's order
     large: np.ndarray  # which are large, in LeanStep's order
     inverse_n: np.ndarray  # 1 / elements (NaN for an empty tensor)
@@ -555,16 +560,15 @@ class LeanTables:
 
     def sums_and_squares(self, numbers: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """(steps, LEAN_KINDS, P) sums and sums of squares of every tensor, from (steps, n) host copies: the small
-        tensors' chunks added up, the large tensors' norms squared."""
+        tensors' as the device added their chunks up, the large tensors' norms squared."""
         steps, count = numbers.shape[0], len(self.inverse_n)
         sums, squares = np.zeros((steps, len(LEAN_KINDS), count)), np.zeros((steps, len(LEAN_KINDS), count))
         at = 0
         if len(self.small):
-            total = 2 * len(LEAN_KINDS) * self.chunk_count
-            chunks = numbers[:, :total].reshape(steps, 2, len(LEAN_KINDS), self.chunk_count)
-            at = total
-            sums[:, :, self.small] = np.add.reduceat(chunks[:, 0], self.chunk_starts, axis=2)
-            squares[:, :, self.small] = np.add.reduceat(chunks[:, 1], self.chunk_starts, axis=2)
+            at = 2 * len(LEAN_KINDS) * len(self.small)
+            small = numbers[:, :at].reshape(steps, 2, len(LEAN_KINDS), len(self.small))
+            sums[:, :, self.small] = small[:, 0]
+            squares[:, :, self.small] = small[:, 1]
         if len(self.large):
             before = numbers[:, at:at + 4 * len(self.large)].reshape(steps, len(self.large), 2, 2)  # (p, g) x (s, n)
             after = numbers[:, at + 4 * len(self.large):].reshape(steps, len(self.large), 2)
