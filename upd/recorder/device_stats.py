@@ -33,12 +33,15 @@ from .snapshots import SPARSE_LAYOUTS, dense, local_part, wait_for_copies
 
 # Statistics of one tensor, in this order (columns "<kind>_<stat>" in the run file).
 NONFINITE = STATS.index("nonfinite")
-_REAL_FLOATING = frozenset((torch.float64, torch.float32, torch.float16, torch.bfloat16))
 
 # Below this size the exact two-pass std is cheap; above it the one-pass form (sum and sum of squares) saves two
 # passes over memory. One-pass loses precision only when |mean| >> std, which large weight matrices, gradients,
 # updates and moments are not (norm-layer scales near 1 are small tensors, so they get the two-pass form).
 TWO_PASS_LIMIT = 4096
+
+
+# The dtypes whose tensors _prepared flattens as they are.
+_REAL_FLOATING = frozenset((torch.float64, torch.float32, torch.float16, torch.bfloat16))
 
 
 def _prepared(t: torch.Tensor) -> torch.Tensor:
@@ -89,8 +92,10 @@ def tensor_stats(t: torch.Tensor) -> torch.Tensor:
     return torch.stack([mean, std.float(), norm, absmax, zero_frac, flag])
 
 
-def batched_stats(tensors: list[torch.Tensor]) -> torch.Tensor:
-    """(len, 6) statistics of many small tensors on one device in a few ops per width bucket, whatever their number.
+def batched_stats(flats: list[torch.Tensor], count_zeros: np.ndarray) -> torch.Tensor:
+    """(len, 6) statistics of many small tensors, already flat (``_prepared``), none of them empty, on one device in
+    a few ops per width bucket, whatever their number; zero fractions only where `count_zeros` (per tensor) says
+    (NaN elsewhere): counting is the slowest of these reductions.
 
     Per-tensor reductions cost ~10 kernel launches each: on a transformer's biases, norm scales and step counters
     that dispatch overhead, not memory, dominated. The tensors are laid out, zero-padded, in float64 buckets of
@@ -99,12 +104,6 @@ def batched_stats(tensors: list[torch.Tensor]) -> torch.Tensor:
     float64 keeps the one-pass std exact where |mean| >> std. (Segment reductions over one concatenation, index_add
     and scatter_reduce, were this function's first form: 3 ms for the 145 tensors of a tiny GPT's full set on the
     CPU.)"""
-    return _bucketed_stats([_prepared(t) for t in tensors], np.ones(len(tensors), dtype=bool))
-
-
-def _bucketed_stats(flats: list[torch.Tensor], count_zeros: np.ndarray) -> torch.Tensor:
-    """``batched_stats`` of tensors already flat (``_prepared``), none of them empty; zero fractions only where
-    `count_zeros` (per tensor) says (NaN elsewhere): counting is the slowest of these reductions."""
     device = flats[0].device
     counts = np.fromiter((f.numel() for f in flats), dtype=np.int64, count=len(flats))
     widths = np.full(len(flats), 64, dtype=np.int64)
@@ -182,7 +181,7 @@ def stats_rows(tensors: list[torch.Tensor], count_zeros=True) -> torch.Tensor:
         blocks.append(_large_stats([flats[i] for i in large], [count_zeros[i] for i in large]))
         order += large
     if small:
-        blocks.append(_bucketed_stats([flats[i] for i in small], np.asarray([count_zeros[i] for i in small], bool)))
+        blocks.append(batched_stats([flats[i] for i in small], np.asarray([count_zeros[i] for i in small], bool)))
         order += small
     if empty:
         blocks.append(torch.full((len(empty), len(STATS)), float("nan"), device=flats[0].device))
@@ -331,9 +330,10 @@ class SnapshotPool:
       all tensors; after the step, one sum and one sum of squares over the (3, chunks, CHUNK) view reduce
       everything, and one indexed addition adds each tensor's chunks up, straight into the step's host buffer
       (``small_host``). On a small model the cost of a step is its number of ops, not their bytes: this is
-      seven, whatever the number of tensors. float64 keeps the one-pass std exact where |mean| >> std (norm-layer scales near 1 are small
-      tensors) and the update exact (the difference of two float32 numbers is a float64 one); reducing float64 data
-      was also faster than reducing float32 data with a float64 accumulator (docs/performance.md);
+      seven, whatever the number of tensors. float64 keeps the one-pass std exact where |mean| >> std (norm-layer
+      scales near 1 are small tensors) and the update exact (the difference of two float32 numbers is a float64
+      one); reducing float64 data was also faster than reducing float32 data with a float64 accumulator
+      (docs/performance.md);
     * each large parameter gets a snapshot buffer of its own dtype.
 
     Rebuilt when the parameters change (add_param_group, a swapped tensor, a new shape). Holds one copy of the
@@ -375,7 +375,7 @@ class SnapshotPool:
         # this pool read are the first the optimizer reads; after it, the first read here the last it wrote.
         self.large = [i for i, n in reversed(list(enumerate(sizes))) if n > SMALL_LIMIT]
         self.buffers = [torch.empty(params[i].shape, dtype=params[i].dtype, device=device) for i in self.large]
-        self.numel = n = np.asarray(sizes, dtype=np.float64)
+        n = np.asarray(sizes, dtype=np.float64)
         with np.errstate(divide="ignore"):
             self.tables = LeanTables(
                 small=np.asarray(self.small, dtype=np.intp),
@@ -392,8 +392,8 @@ class LeanStep:
     parameters and gradients into the pool (and launches the large tensors' reductions); ``read()`` after it copies
     the new values in, forms the updates, reduces everything and brings it to the host in one copy. Same result
     shape as ``StepStatistics.read``. `params` are the tensors to reduce: `live` itself, or its local parts
-    (DTensor). After ``read``, ``grad_norm`` is the total norm of `grads` (a float, from the per-gradient norms: no
-    pass of its own).
+    (DTensor). After ``read``, ``grad_norm`` is the total norm of `grads` (a 0-d tensor on the device, from the
+    gradients' sums of squares: no pass of its own).
 
     ``grads=None``: a ``step(closure)`` (LBFGS, Lightning's automatic optimization), whose gradient exists only inside
     the step. Only the parameters are copied before it; the gradients' statistics are taken after it, from the
@@ -544,8 +544,9 @@ class LeanStep:
 @dataclasses.dataclass(frozen=True, eq=False)  # compared by identity (fill_tables)
 class LeanTables:
     """What turns lean steps' host numbers into their tables (the ``maker`` of their ``StatsRows``): where each
-    tensor's numbers are (among the small tensors' or the large ones') and the tensors' element counts. Made with the pool's layout and never changed: a table made on the writer thread after the pool
-    has moved on reads its own step's."""
+    tensor's numbers are (among the small tensors' or the large ones') and the tensors' element counts. Made with
+    the pool's layout and never changed: a table made on the writer thread after the pool has moved on reads its
+    own step's."""
 
     small: np.ndarray  # which parameters are small, in the store's order
     large: np.ndarray  # which are large, in LeanStep's order
@@ -579,8 +580,9 @@ class LeanTables:
         return sums, squares
 
     def tables(self, numbers: np.ndarray, count_nonfinite: Callable | None = None) -> np.ndarray:
-        """(steps, P, len(LEAN_COLUMNS)) tables, from (steps, n) host copies of lean steps (each the sums and norms
-        of every parameter, gradient and before - after): each parameter's lean statistics and its two ratios.
+        """(steps, P, len(LEAN_COLUMNS)) tables, from (steps, n) host copies of lean steps (each the sums and sums
+        of squares, or norms, of every parameter, gradient and before - after, ``sums_and_squares``): each
+        parameter's lean statistics and its two ratios.
         `count_nonfinite(flagged, counts)` fills exact NaN/Inf counts of the flagged (LEAN_KINDS, P) tensors of a
         one-step stack; without it there is none (the caller checked)."""
         steps, count = numbers.shape[0], len(self.inverse_n)
