@@ -9,6 +9,7 @@ most of it per-dataset overhead and flushes, not bytes.
 """
 from __future__ import annotations
 
+import itertools
 from collections.abc import Mapping
 
 import h5py
@@ -51,8 +52,7 @@ class StatsRows(Mapping):
     @property
     def table(self) -> np.ndarray:
         if self._table is None:
-            self._table = self.maker.tables(self.numbers[None])[0]
-            self.maker = self.numbers = None
+            fill_tables([self])
         return self._table
 
     def _position(self, name) -> int:
@@ -84,17 +84,11 @@ def fill_tables(rows: list) -> None:
     """Make the tables of these StatsRows not made yet, one ``maker.tables`` call per run of rows that share a
     maker (consecutive steps of one optimizer, the usual batch)."""
     pending = [r for r in rows if isinstance(r, StatsRows) and r._table is None]
-    start = 0
-    while start < len(pending):
-        maker = pending[start].maker
-        stop = start + 1
-        while stop < len(pending) and pending[stop].maker is maker:
-            stop += 1
-        run = pending[start:stop]
-        tables = maker.tables(np.stack([r.numbers for r in run]))
+    for _, run in itertools.groupby(pending, key=lambda r: id(r.maker)):
+        run = list(run)
+        tables = run[0].maker.tables(np.stack([r.numbers for r in run]))
         for r, table in zip(run, tables):
             r._table, r.maker, r.numbers = table, None, None
-        start = stop
 
 
 def _write_rows(ds: h5py.Dataset, start: int, rows: np.ndarray) -> None:
