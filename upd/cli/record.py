@@ -227,12 +227,16 @@ def run_command(command: list[str], environ: dict) -> None:
     if os.name == "nt":
         sys.exit(subprocess.call(command, env=environ))
     # What exec keeps, the command should get as a shell would start it: Python ignores SIGPIPE and SIGXFSZ.
+    # Put back if exec fails: a caller in this process (click's CliRunner) goes on with Python's own.
+    kept = {}
     for name in ("SIGPIPE", "SIGXFSZ"):
         if hasattr(signal, name):
-            signal.signal(getattr(signal, name), signal.SIG_DFL)
+            kept[name] = signal.signal(getattr(signal, name), signal.SIG_DFL)
     try:
         os.execvpe(command[0], command, environ)
-    except FileNotFoundError:
-        fail(f"{command[0]}: command not found", 127)
     except OSError as exc:
+        for name, handler in kept.items():
+            signal.signal(getattr(signal, name), handler)
+        if isinstance(exc, FileNotFoundError):
+            fail(f"{command[0]}: command not found", 127)
         fail(f"{command[0]}: cannot execute: {exc.strerror or exc}", 126)
