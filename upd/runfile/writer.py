@@ -111,6 +111,15 @@ def _descriptor(file: h5py.File) -> int:
         return -1
 
 
+# The HDF5 1.10 object formats: a chunked dataset with one unlimited dimension is indexed by an extensible array,
+# which appends and never moves an entry. The default format's B-tree moves the entries of a full node into new ones
+# (every dataset's root at its 65th chunk), and the flush writes the old node before the new ones and the superblock:
+# a SIGKILL in between left committed records unreadable (benchmarks/flush_kill.py; docs/reliability.md). The
+# superblock stays at version 0: version 3, which the 1.10 bounds would choose for a file they create, marks the file
+# open for writing, and a killed writer's mark makes HDF5 refuse the file.
+OBJECT_FORMATS = ("v110", "v110")
+
+
 class RunWriter:
     def __init__(self, path: str, meta: dict, *, overwrite: bool, storage_dtype: str, compression,
                  resume: bool = False):
@@ -594,7 +603,11 @@ class RunWriter:
         self._flushed()
 
     def _open_file(self, mode: str) -> None:
-        self.file = h5py.File(self.path, mode)
+        """Open for writing: a new file is created in HDF5's default format (superblock version 0), then reopened
+        with the HDF5 1.10 object formats (OBJECT_FORMATS), which every dataset and group made from then on uses."""
+        if mode != "r+":
+            h5py.File(self.path, mode).close()
+        self.file = h5py.File(self.path, "r+", libver=OBJECT_FORMATS)
         lifetime.written_through(_descriptor(self.file))  # a forked child gets /dev/null in its place
 
     def _close_file(self) -> None:
