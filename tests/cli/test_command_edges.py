@@ -29,8 +29,9 @@ def test_analyze_given_two_runs_points_to_compare():
 def test_ctrl_c_exits_130_with_one_line(tmp_path):
     """SIGINT to a real `upd demo` while it trains: exit 130 (not 1, verify's "mismatch"), one line, no traceback."""
     env = dict(os.environ, PYTHONUNBUFFERED="1")
-    # Started as a shell starts a command, whatever this test process inherited: a child born with SIGINT ignored
-    # (xdist workers have been seen with it ignored after other tests) keeps it ignored, and trains on.
+    # Started as an interactive shell starts a command, whatever this test process inherited: a suite started in the
+    # background by a non-interactive shell (`pytest ... &`, as CI runners may) has SIGINT and SIGQUIT ignored, and
+    # a Python child born with SIGINT ignored keeps it ignored and trains on (60 s, then this test failed).
     proc = subprocess.Popen([sys.executable, "-m", "upd", "demo", "--out", str(tmp_path), "--steps", "100000"],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
                             preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
