@@ -604,12 +604,17 @@ def record_index(check: Validator, group: h5py.Group, where: str, links: dict | 
     the dataset's length can include a row whose value never reached the disk and reads as the fill value)."""
     at = f"{where}: dataset '{schema.RECORD_INDEX}'"
     index_ds = check.declared(group, schema.PARAMETER.dataset(schema.RECORD_INDEX), at, links=links)
-    check.readable(index_ds, index_ds.shape[0], at)
+    # A parameter has at most one row per committed record: the rows past that many belong to records never
+    # committed, and are not read at all (after a kill their chunk index can point past the end of the file).
+    check.readable(index_ds, index_ds.shape[0], at)  # what it declares, read or not: a file that lies is refused
+    rows = index_ds.shape[0] if committed is None else min(index_ds.shape[0], committed)
     with check.reading(at):
-        # read straight into an array of its (checked: native integer, rank 1) dtype; ds[()] costs 0.2 ms more
-        records = np.empty(index_ds.shape, index_ds.dtype)
-        if records.size:
-            index_ds.id.read(h5py.h5s.ALL, h5py.h5s.ALL, records)
+        # read straight into an array of its (checked: native integer, rank 1) dtype; ds[:rows] costs 0.2 ms more
+        records = np.empty((rows,), index_ds.dtype)
+        if rows:
+            selected = index_ds.id.get_space()
+            selected.select_hyperslab((0,), (rows,))
+            index_ds.id.read(h5py.h5s.create_simple((rows,)), selected, records)
         records = records.astype(np.int64, copy=False)
     if committed is not None and len(records):
         beyond = (records >= committed) | (np.arange(len(records)) > 0) & (records <= np.roll(records, 1))
