@@ -14,6 +14,8 @@ import subprocess
 import sys
 import textwrap
 
+from tests.harness.kill import read_back
+
 CHILD = textwrap.dedent("""
     import sys, time, torch, upd
     torch.manual_seed(0)
@@ -40,6 +42,7 @@ def _strace(path: str, width: int, steps: int, *options: str) -> str:
     """Run the child, strace attached once its recorder is set up; what the child wrote to stderr."""
     child = subprocess.Popen([sys.executable, "-c", CHILD, str(path), str(width), str(steps)], stdin=subprocess.PIPE,
                              stderr=subprocess.PIPE, text=True)
+    tracer = None
     try:
         for line in child.stderr:  # warnings may come first
             if line.strip() == "READY":
@@ -55,6 +58,8 @@ def _strace(path: str, width: int, steps: int, *options: str) -> str:
         return err
     finally:
         child.kill()
+        if tracer is not None:
+            tracer.kill()
 
 
 def trace(path: str, width: int = 32, steps: int = 6) -> list[list[tuple[int, int]]]:
@@ -97,17 +102,13 @@ def kill_at(path: str, write: int, width: int = 32, steps: int = 6) -> int:
 
 
 def problem(path: str, acknowledged: int) -> str | None:
-    """None when the run opens, holds every acknowledged record and verifies; else what is wrong."""
-    import upd
-
-    try:
-        with upd.open_run(path) as run:
-            if run.live:
-                return "the killed writer's run reads as live"
-            records = run.optimizers[0].num_records
-            if records < acknowledged:
-                return f"{records} records, {acknowledged} acknowledged"
-        code = upd.verify(path).exit_code
-        return None if code == 0 else f"verify exit {code}"
-    except Exception as exc:
-        return f"{type(exc).__name__}: {exc}"[:300]
+    """None when the run opens, holds every acknowledged record and verifies (tests.harness.kill.read_back); else
+    what is wrong."""
+    found = read_back(path)
+    if found["error"] is not None:
+        return found["error"][:300]
+    if found["live"]:
+        return "the killed writer's run reads as live"
+    if found["readable"] < acknowledged:
+        return f"{found['readable']} records, {acknowledged} acknowledged"
+    return None if found["verify"] in (0, None) else f"verify exit {found['verify']}"

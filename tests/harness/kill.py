@@ -52,12 +52,18 @@ def one_kill(path: str, delay: float, after_records: int = 0) -> dict:
     for line in proc.stdout.read().splitlines():
         if line.startswith("committed"):
             acknowledged = int(line.split()[1])
+    return {"delay": delay, "acknowledged": acknowledged, **read_back(path)}
+
+
+def read_back(path: str) -> dict:
+    """What a killed writer's run reads as: {"readable": committed records, "live": whether it reads as still being
+    written, "verify": upd.verify's exit code (None for no record), "error": what the reader raised, or None}."""
     import upd
 
-    result = {"delay": delay, "acknowledged": acknowledged, "readable": None, "verify": None, "error": None}
+    result = {"readable": None, "live": None, "verify": None, "error": None}
     try:
         with upd.open_run(path) as run:
-            result["readable"] = run.optimizers[0].num_records
+            result["readable"], result["live"] = run.optimizers[0].num_records, run.live
         result["verify"] = upd.verify(path).exit_code if result["readable"] else None
     except Exception as exc:  # a file the reader refuses counts as a failure of the promise
         result["error"] = f"{type(exc).__name__}: {exc}"
