@@ -343,10 +343,17 @@ class SnapshotPool:
 
     def __init__(self):
         self.key = None
+        self._live = None  # the list `live` the pool was last laid out for (a track's LeanPlan passes the same one)
 
     def layout(self, live: list[torch.Tensor], params: list[torch.Tensor]) -> "SnapshotPool":
-        key = (list(map(id, live)), [p.shape for p in params])
+        # A parameter keeps its identity when `.data` is swapped for another shape: the shapes are compared always,
+        # the identities only when the list is not the one laid out for last.
+        shapes = [p.shape for p in params]
+        if live is self._live and shapes == self.key[1]:
+            return self
+        key = (list(map(id, live)), shapes)
         if key == self.key:
+            self._live = live
             return self
         device = params[0].device
         sizes = [p.numel() for p in params]
@@ -370,7 +377,12 @@ class SnapshotPool:
             at = int(starts[j]) * CHUNK
             for views, kind in ((self.param_views, 0), (self.grad_views, 1), (self.after_views, 2)):
                 views.append(self.store[kind, at:at + sizes[i]].view(params[i].shape))
-        self.grad_squares = self.small_host[1, LEAN_KINDS.index("grad")]  # each small gradient's sum of squares
+        # the views and lists a step hands to its ops, made once
+        self.before_views = self.param_views + self.grad_views  # one foreach copy before the step
+        self.all_small = len(self.small) == len(sizes)
+        self.before_row, self.update_row = self.store[0], self.store[2]
+        self.chunk_sums_out, self.chunk_squares_out = self.chunk_sums.view(2, len(LEAN_KINDS), -1).unbind(0)
+        self.small_host_out = self.small_host.view(2 * len(LEAN_KINDS), -1)
         # Last parameter first: the optimizer steps the first parameter first, so before the step the last tensors
         # this pool read are the first the optimizer reads; after it, the first read here the last it wrote.
         self.large = [i for i, n in reversed(list(enumerate(sizes))) if n > SMALL_LIMIT]
@@ -383,7 +395,12 @@ class SnapshotPool:
                 inverse_n=np.where(n > 0, 1 / n, np.nan),  # an empty tensor's statistics are NaN
                 inverse_n_1=np.where(n > 1, 1 / (n - 1), np.nan),  # the unbiased std of one number too
                 empty=(n == 0) if (n == 0).any() else None)
-        self.key = key
+        # where the gradients' sums of squares are in a step's host copy (``LeanStep.rows``): the step's total norm
+        small_grads = (len(LEAN_KINDS) + LEAN_KINDS.index("grad")) * len(self.small)
+        at = 2 * len(LEAN_KINDS) * len(self.small)
+        self.grad_squares_at = slice(small_grads, small_grads + len(self.small))  # sums of squares
+        self.grad_norms_at = slice(at + 3, at + 4 * len(self.large), 4)  # large gradients' norms (large_before)
+        self.key, self._live = key, live
         return self
 
 
@@ -392,8 +409,8 @@ class LeanStep:
     parameters and gradients into the pool (and launches the large tensors' reductions); ``read()`` after it copies
     the new values in, forms the updates, reduces everything and brings it to the host in one copy. Same result
     shape as ``StepStatistics.read``. `params` are the tensors to reduce: `live` itself, or its local parts
-    (DTensor). After ``read``, ``grad_norm`` is the total norm of `grads` (a 0-d tensor on the device, from the
-    gradients' sums of squares: no pass of its own).
+    (DTensor). After ``read``, ``grad_norm`` is the total norm of `grads` (a float, from the gradients' sums of
+    squares in the step's host copy: no pass of its own).
 
     ``grads=None``: a ``step(closure)`` (LBFGS, Lightning's automatic optimization), whose gradient exists only inside
     the step. Only the parameters are copied before it; the gradients' statistics are taken after it, from the
@@ -414,13 +431,17 @@ class LeanStep:
         self.closure = grads is None
         self.grad_norm = None
         with torch.no_grad():  # the hooks run outside the optimizer's no_grad: no autograd bookkeeping here
-            if pool.small:
-                torch._foreach_copy_(pool.param_views, [params[i] for i in pool.small])
             if grads is None:
+                if pool.small:
+                    torch._foreach_copy_(pool.param_views, [params[i] for i in pool.small])
                 for buffer, i in zip(pool.buffers, pool.large):
                     buffer.copy_(params[i])
                 return
-            self._copy_grads(grads)
+            if pool.all_small:  # one op for every parameter and gradient
+                torch._foreach_copy_(pool.before_views, params + grads)
+            elif pool.small:
+                small = pool.small
+                torch._foreach_copy_(pool.before_views, [params[i] for i in small] + [grads[i] for i in small])
             self._reduce_large_before(params, grads, params_copied=False)
 
     def _copy_grads(self, grads: list[torch.Tensor]) -> None:
@@ -465,10 +486,16 @@ class LeanStep:
 
     def rows(self, host: np.ndarray) -> StatsRows:
         """The result of ``read`` from the host copy of ``launch_after``'s tensors (concatenated, float64, this
-        step's own). The table is made later, where it is first read (the writer thread), from these numbers alone;
-        where one is NaN or infinite, now, with the exact NaN/Inf counts only the tensors can give."""
-        tables = self.pool.tables if not self.no_grad else LeanTables.without_gradients(self.pool.tables, self.no_grad)
-        if math.isfinite(np.add.reduce(host)):  # NaN and Inf propagate into the sum
+        step's own), and ``grad_norm``. The table is made later, where it is first read (the writer thread), from
+        these numbers alone; where one is NaN or infinite, now, with the exact NaN/Inf counts only the tensors can
+        give."""
+        pool = self.pool
+        if self.grads is not None and not self.closure:
+            squares = host[pool.grad_squares_at].tolist() + [n * n for n in host[pool.grad_norms_at].tolist()]
+            self.grad_norm = math.sqrt(sum(squares))
+        tables = pool.tables if not self.no_grad else LeanTables.without_gradients(pool.tables, self.no_grad)
+        # NaN and Inf propagate into the sum (a Python sum of the list: numpy's reduction costs more for so few)
+        if math.isfinite(sum(host.tolist())):
             return StatsRows(self.names, LEAN_COLUMNS, maker=tables, numbers=host)
         return StatsRows(self.names, LEAN_COLUMNS, tables.tables(host[None], self._count_nonfinite)[0])
 
@@ -482,15 +509,13 @@ class LeanStep:
             after = self._after()
             parts = []
             if pool.small:
-                torch._foreach_copy_(pool.after_views, [after[i] for i in pool.small])
+                torch._foreach_copy_(pool.after_views, after if pool.all_small else [after[i] for i in pool.small])
                 # The new values become before - after = -update, in place: the sign is undone on the host.
-                torch.sub(pool.store[0], pool.store[2], out=pool.store[2])
-                chunks = pool.chunk_sums.view(2, len(LEAN_KINDS), -1)
-                torch.sum(pool.blocks, 2, out=chunks[0])
+                torch.sub(pool.before_row, pool.update_row, out=pool.update_row)
+                torch.sum(pool.blocks, 2, out=pool.chunk_sums_out)
                 # sums of squares, not norms: a constant tensor's (a norm-layer scale at its init) std is exactly 0
-                torch.linalg.vecdot(pool.blocks, pool.blocks, dim=2, out=chunks[1])
-                torch.index_add(pool.no_sums, 1, pool.chunk_owner, pool.chunk_sums,
-                                out=pool.small_host.view(2 * len(LEAN_KINDS), -1))
+                torch.linalg.vecdot(pool.blocks, pool.blocks, dim=2, out=pool.chunk_squares_out)
+                torch.index_add(pool.no_sums, 1, pool.chunk_owner, pool.chunk_sums, out=pool.small_host_out)
                 parts.append(pool.small_host)
             reductions = []
             for buffer, i in zip(pool.buffers, large):
@@ -499,11 +524,6 @@ class LeanStep:
                 reductions += [buffer.sum(dtype=acc), torch.linalg.vector_norm(buffer, dtype=acc)]
             if reductions:
                 parts += [self.large_before, torch.stack(reductions)]
-            if self.grads is not None and not self.closure:  # launched with the rest, read with the step's scalars
-                squares = [pool.grad_squares] if pool.small else []
-                if large:
-                    squares.append(self.large_before[3::4].double().square())
-                self.grad_norm = (squares[0] if len(squares) == 1 else torch.cat(squares)).sum().sqrt()
         return parts
 
     def _take_closure_gradients(self) -> None:

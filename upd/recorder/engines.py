@@ -19,8 +19,8 @@ class StatisticsEngine(Protocol):
     """One step's statistics: launched (by its constructor or ``launch``) before the step; ``after_step(step)``
     launches what needs the values after it and reads everything, {parameter name: {column: value}}. `step` is
     the recorder's step in progress (its tracked parameters, whether the step is full or took a closure). The lean
-    engines also give, once ``after_step`` returned, ``grad_norm``: the total norm of the step's gradients (a 0-d
-    tensor on the device, read with the step's scalars)."""
+    engines also give, once ``after_step`` returned, ``grad_norm``: the total norm of the step's gradients (a float,
+    from the step's host copy)."""
 
     def after_step(self, step) -> Mapping[str, Mapping[str, float]]: ...
 

@@ -13,6 +13,7 @@ squares those statistics take anyway (``device_stats.LeanStep.grad_norm``).
 """
 from __future__ import annotations
 
+import math
 from collections import defaultdict
 
 import torch
@@ -89,6 +90,68 @@ class TotalNorm:
             n = tensors[i].numel()
             self._views.append(self._buffer[at:at + n].view(tensors[i].shape))
             at += n
+
+
+# Recorded steps whose gradients the step found as the backward pass left them, by their version counters and by
+# both norms, before the backward pass's norm is taken to be the step's (BackwardNorm).
+TRUST_AFTER = 16
+# Two norms of the same gradients, taken by different reductions, differ in the last bits; a write that changes
+# them (clipping, a rescaling, a clamp) changes the norm by more.
+SAME_NORM_RTOL = 1e-5
+# What BackwardNorm.at_step says of the norm it hands the step.
+MEASURED, SAME_AS_STEP, MEASURED_UNCHANGED = "measured", "same as the step's", "measured, gradients unchanged"
+
+
+class BackwardNorm:
+    """One optimizer's total gradient norm at the end of each backward pass, measured while it could differ from the
+    norm the step sees (module docstring). ``ended(grads)`` at each backward pass's end; ``at_step(grads)`` in the
+    step's pre-hook says what the step gets: a measured norm, the step's own, or none."""
+
+    def __init__(self):
+        self._total = TotalNorm()  # the buffer a measured norm reuses
+        self._norm: torch.Tensor | None = None  # measured at the last backward pass's end
+        self._seen: tuple | None = None  # (gradients, their versions) at the last backward pass's end
+        self._trusted = 0  # recorded steps that found the gradients unchanged and both norms equal
+        self._changed = False  # a step found them changed once: measured at every backward pass since
+
+    def measuring(self) -> bool:
+        return self._changed or self._trusted < TRUST_AFTER
+
+    def ended(self, grads: list[torch.Tensor]) -> None:
+        """A backward pass ended, leaving `grads` (the optimizer's, in its order) for the next step."""
+        self._seen = (grads, [g._version for g in grads])
+        if self.measuring():
+            self._norm = self._total(grads)
+
+    def at_step(self, grads: list[torch.Tensor]) -> tuple[torch.Tensor | None, str | None]:
+        """(the norm measured when the last backward pass ended, or None; how it relates to the step's: MEASURED,
+        SAME_AS_STEP (not measured: the step's own norm is the backward pass's), MEASURED_UNCHANGED (to be compared
+        with the step's, ``compared``), or None (unknown: not measured, and the gradients changed)). Forgets both:
+        nothing holds the gradients after the step's pre-hook."""
+        norm, seen = self._norm, self._seen
+        self._norm = self._seen = None
+        if seen is None:
+            return norm, MEASURED if norm is not None else None
+        unchanged = len(seen[0]) == len(grads) and all(a is b for a, b in zip(seen[0], grads)) and \
+            seen[1] == [g._version for g in grads]
+        if not unchanged:
+            self._changed = True
+            return norm, MEASURED if norm is not None else None
+        if norm is None:
+            return None, SAME_AS_STEP
+        return norm, MEASURED_UNCHANGED if not self._changed else MEASURED
+
+    def forget(self) -> None:
+        """A step that takes no norm: the gradients are not held past it."""
+        self._norm = self._seen = None
+
+    def compared(self, backward: float, step: float) -> None:
+        """Both norms of a step whose gradients the version counters say unchanged: equal, they count toward
+        trusting the counters; unequal (a write the counters miss), the norm is measured at every pass from now."""
+        if math.isclose(backward, step, rel_tol=SAME_NORM_RTOL) or (math.isnan(backward) and math.isnan(step)):
+            self._trusted += 1
+        else:
+            self._changed = True
 
 
 def queue_after_backward(callback) -> bool:

@@ -8,6 +8,8 @@ collective inside the optimizer's step. Which part that is, and where it sits, e
 """
 from __future__ import annotations
 
+import operator
+
 import torch
 
 from ..runfile import encoding
@@ -67,6 +69,42 @@ def hparams_snapshot(group: dict) -> dict:
 
 _PLAIN = (float, int, bool, str, type(None))
 _NOT_HPARAMS = ("params", "param_names")
+
+
+def _immutable(value) -> bool:
+    return type(value) in _PLAIN or (type(value) is tuple and all(type(v) in _PLAIN for v in value))
+
+
+class HparamsSnapshots:
+    """``hparams_snapshot`` of every param group of one optimizer, step after step. A group whose hyperparameters are
+    the very values they were at the last call, all of them immutable (numbers, strings, tuples of them: not a tensor
+    a scheduler fills in place), gets the same snapshot again, which nobody changes: taking one costs a recorded step
+    on a small model more than its statistics' bookkeeping."""
+
+    def __init__(self):
+        # per group: (the group's size, a getter of its hyperparameters, their values, their snapshot), when immutable
+        self._last: list[tuple | None] = []
+
+    def __call__(self, groups: list[dict]) -> list[dict]:
+        if len(self._last) != len(groups):
+            self._last = [None] * len(groups)
+        return [self._snapshot(i, group) for i, group in enumerate(groups)]
+
+    def _snapshot(self, i: int, group: dict) -> dict:
+        last = self._last[i]
+        if last is not None and len(group) == last[0]:
+            try:
+                if last[1](group) == last[2]:  # a tuple of numbers, strings and tuples of them: no tensor compared
+                    return last[3]
+            except KeyError:  # a hyperparameter removed, another added
+                pass
+        snapshot = hparams_snapshot(group)
+        keys = [k for k in group if k not in _NOT_HPARAMS]
+        self._last[i] = None
+        if keys and all(_immutable(group[k]) for k in keys):
+            getter = operator.itemgetter(*keys)
+            self._last[i] = (len(group), getter, getter(group), snapshot)
+        return snapshot
 
 
 def refuse_unlike_param(tensor, param, what: str) -> None:

@@ -22,14 +22,14 @@ from .backward import BackwardCounts
 from .cadence import full_record_bytes, full_record_cadence, is_full_step, state_tensors
 from .device_stats import LeanStep, SnapshotPool, StepStatistics, element_count, lean_applies
 from .engines import LEAN, SAMPLED, StatisticsEngine, statistics_set
-from .grad_norms import TotalNorm, total_norm
+from .grad_norms import MEASURED_UNCHANGED, SAME_AS_STEP, BackwardNorm, total_norm
 from .grad_scaling import GradScaling
 from .job_scalars import Slot
 from .logged_scalars import HOST_BATCH_STEPS, scalar_problem, to_host
 from .naming import ParamNames, is_selected
 from .partition_view import PartitionView
 from .sampled_stats import SampledPool, SampledStep
-from .snapshots import (cpu_copy, dtensor_class, hparams_snapshot, local_part, refuse_unlike_param,
+from .snapshots import (HparamsSnapshots, cpu_copy, dtensor_class, local_part, refuse_unlike_param,
                         shard_layout, state_snapshot)
 
 
@@ -88,6 +88,9 @@ class LeanPlan:
     stats_meta: dict  # name -> param_meta
 
 
+_PLAIN_TENSOR = {torch.Tensor}
+
+
 def gradients(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
     """The optimizer's gradients (of a DTensor, the local part: the whole of it when one process holds it all)."""
     grads = [p.grad for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
@@ -124,13 +127,14 @@ class OptimizerTrack:
         self.job_parts: tuple[int, dict] | None = None  # (step, its parts' statistics), until shared
         self._step_scalars: dict = {}  # scalars the recorder measured in the step in progress
         self.grad_scaling: GradScaling | None = None  # what GradScaler handed the fused step in progress
-        self._backward_norm: torch.Tensor | None = None  # total gradient norm after the last backward pass
+        self._backward_norms = BackwardNorm()  # the total gradient norm at each backward pass's end, while it can differ
+        self._backward_relation: str | None = None  # what the step in progress took from it (BackwardNorm.at_step)
         self._closure_evaluated_once = False  # this step(closure) evaluated its closure
         self._shards: dict[int, ShardLayout] = {}  # id(DTensor parameter) -> its ShardLayout, found with its name
-        self._total_norm = TotalNorm()  # the buffer the backward-pass norm reuses
         self.stats_pool: SnapshotPool | None = None  # the lean statistics' snapshot buffers
         self.sampled_pool: SampledPool | None = None  # the same, for statistics from samples (stats_sample)
         self._lean_plan: LeanPlan | None = None  # its lean steps' plan for the current layout
+        self._hparams = HparamsSnapshots()  # each recorded step's hyperparameters
         self._no_lean_plan_for: tuple | None = None  # a layout the lean set does not take (``_make_lean_plan``)
         self._job_slots: tuple[tuple, list[Slot]] | None = None  # (the job optimizer's layout, its slots)
         # what one full record of this optimizer stores, from its parameters now; every= as its steps take it (AUTO:
@@ -188,9 +192,7 @@ class OptimizerTrack:
                 grads = [g for g in (p.grad for p in plan.live) if g is not None]
             else:
                 grads = gradients(self.optimizer)
-            norm = self._total_norm(grads)
-            if norm is not None:
-                self._backward_norm = norm
+            self._backward_norms.ended(grads)
 
     def _measure_step_norms(self) -> None:
         """The total gradient norm as the step sees it, next to the one the last backward pass left (a clipped step
@@ -198,22 +200,40 @@ class OptimizerTrack:
         if self.settings.rank_setup is not None:
             return  # a rank's gradients are a part, or not yet reduced when its backward pass ends
         if not any(self.cadence(self.steps_done)):
+            self._backward_norms.forget()
             return  # a step the flight recorder keeps in memory only: it writes nothing while training is healthy
-        self._take_backward_norm()
-        seen = total_norm(gradients(self.optimizer))
+        grads = gradients(self.optimizer)
+        self._take_backward_norm(grads)
+        seen = total_norm(grads)
         if seen is not None:
             self._step_scalars[schema.SCALAR_GRAD_NORM_AT_STEP] = seen
 
-    def _take_backward_norm(self) -> None:
-        backward, self._backward_norm = self._backward_norm, None
+    def _take_backward_norm(self, grads: list[torch.Tensor]) -> None:
+        """The backward pass's norm into the step's scalars where it was measured; what the post-step does about it
+        (``_settle_backward_norm``) where it was not, or is to be compared."""
+        backward, self._backward_relation = self._backward_norms.at_step(grads)
         if backward is not None:
             self._step_scalars[schema.SCALAR_GRAD_NORM_BACKWARD] = backward
+
+    def _settle_backward_norm(self) -> None:
+        """After the step, its norm known: the backward pass's is the same where the gradients did not change in
+        between; where both were measured over unchanged gradients, they are compared (BackwardNorm.compared)."""
+        relation, self._backward_relation = self._backward_relation, None
+        scalars = self._step_scalars
+        step = scalars.get(schema.SCALAR_GRAD_NORM_AT_STEP)
+        if relation is None or step is None:
+            return
+        if relation == SAME_AS_STEP:
+            scalars[schema.SCALAR_GRAD_NORM_BACKWARD] = step
+        elif relation == MEASURED_UNCHANGED and schema.SCALAR_GRAD_NORM_BACKWARD in scalars:
+            self._backward_norms.compared(float(scalars[schema.SCALAR_GRAD_NORM_BACKWARD]), float(step))
 
     # -- one step -----------------------------------------------------------------------------------------------
     def before_step(self, closure_step: bool) -> None:
         """The pre-step hook's work: the step's record started, its statistics launched (nothing at a step that
         records nothing)."""
         self._step_scalars = {}
+        self._backward_relation = None
         self._closure_evaluated_once = False
         self.pending = None  # a step that raised never reached its post-hook
         optimizer, names, settings = self.optimizer, self.names, self.settings
@@ -235,6 +255,7 @@ class OptimizerTrack:
                                 full_record=full, stats_sample=settings.stats_sample)
         with_stats, lean = engine is not None, engine in (LEAN, SAMPLED)
         if not (full or with_stats):
+            self._backward_norms.forget()
             return
         if lean and self._start_lean_step(step, closure_step, engine == SAMPLED):
             return
@@ -277,7 +298,7 @@ class OptimizerTrack:
             if not full:
                 self._launch_stats_before_step(stats, params, closure_step)
         record = Record(optimizer=self.index, step=step, backward_pass=backward, wall_time=time.time(),
-                        hparams=[hparams_snapshot(g) for g in optimizer.param_groups],
+                        hparams=self._hparams(optimizer.param_groups),
                         params=[t.snapshot for t in params] if full else [],
                         closure_losses=[] if closure_step else None, full=full)
         self.pending = StepInProgress(record=record, params=params, selected=selected, closure=closure_step,
@@ -307,30 +328,35 @@ class OptimizerTrack:
             stats = LeanStep(self._snapshot_pool(), names, live, live, None)
         else:
             grads = [p.grad for p in live]
-            if any(g is None for g in grads):  # skipped by the optimizer (a frozen parameter): not recorded either
-                tracked = [t for t, g in zip(tracked, grads) if g is not None]
-                live, names = [t.live for t in tracked], [t.snapshot.name for t in tracked]
-                stats_meta = {name: stats_meta[name] for name in names}
-                grads = [g for g in grads if g is not None]
             # The parameters were checked with the plan (lean_applies); autograd gives a gradient its parameter's
             # shape, dtype and device, but a sparse one (nn.Embedding(sparse=True)) and a DTensor one of a plain
-            # parameter are the general path's (which refuses the latter by name).
-            if not grads or not all(g.layout is torch.strided for g in grads):
-                return False
-            dtensor = dtensor_class()
-            if dtensor is not None and any(isinstance(g, dtensor) for g in grads):
-                return False
+            # parameter are the general path's (which refuses the latter by name). One pass where every gradient is
+            # a plain dense tensor: no None, no subclass.
+            if set(map(type, grads)) != _PLAIN_TENSOR or not all(g.layout is torch.strided for g in grads):
+                if any(g is None for g in grads):  # skipped by the optimizer (a frozen parameter): not recorded
+                    tracked = [t for t, g in zip(tracked, grads) if g is not None]
+                    live, names = [t.live for t in tracked], [t.snapshot.name for t in tracked]
+                    stats_meta = {name: stats_meta[name] for name in names}
+                    grads = [g for g in grads if g is not None]
+                if not grads or not all(g.layout is torch.strided for g in grads):
+                    return False
+                dtensor = dtensor_class()
+                if dtensor is not None and any(isinstance(g, dtensor) for g in grads):
+                    return False
             if sampled:  # single-process runs only: a DTensor's local parts get the exact set
                 if self.sampled_pool is None:
                     self.sampled_pool = SampledPool(self.settings.stats_sample)
                 stats = SampledStep(self.sampled_pool, names, live, grads)
             else:
                 stats = LeanStep(self._snapshot_pool(), names, live, live, grads)
-            self._take_backward_norm()
-            if not plan.all_selected:  # else the statistics' own per-gradient norms give it, after the step
-                self._step_scalars[schema.SCALAR_GRAD_NORM_AT_STEP] = total_norm(gradients(self.optimizer))
+            if plan.all_selected:  # the statistics' own per-gradient norms give the step's norm, after the step
+                self._take_backward_norm(grads)
+            else:
+                every_grad = gradients(self.optimizer)
+                self._take_backward_norm(every_grad)
+                self._step_scalars[schema.SCALAR_GRAD_NORM_AT_STEP] = total_norm(every_grad)
         record = Record(optimizer=self.index, step=step, backward_pass=self.backward.passes(self.layout),
-                        wall_time=time.time(), hparams=[hparams_snapshot(g) for g in self.optimizer.param_groups],
+                        wall_time=time.time(), hparams=self._hparams(self.optimizer.param_groups),
                         params=[], closure_losses=[] if closure_step else None, full=False)
         self.pending = StepInProgress(record=record, params=tracked, selected=False, closure=closure_step,
                                       stats=stats, stats_meta=stats_meta,
@@ -449,10 +475,11 @@ class OptimizerTrack:
         if pending.stats is not None:
             rec.stats = pending.stats.after_step(pending)  # one device-to-host copy, whichever engine
             if pending.norm_from_stats:  # of the gradients as they came: unscaled as the step used them
-                norm = pending.stats.grad_norm
+                norm = pending.stats.grad_norm  # a float: from the statistics' host copy
                 if scaling is not None and scaling.grad_scale is not None:
-                    norm = norm / scaling.grad_scale.to(norm.device)
+                    norm = norm / scaling.scale_on_host()
                 self._step_scalars[schema.SCALAR_GRAD_NORM_AT_STEP] = norm
+        self._settle_backward_norm()
         self._queue_scalars(step, rec.wall_time, logged)
         if pending.stats is not None:
             if scaling is not None:  # the gradients as the fused step used them (a job's parts included)
