@@ -218,6 +218,15 @@ def measure(w: Workload, variants: list, rounds: int, steps: int, warmup: int, w
             x[f"{clock}_over_ms"] = median([(b[clock] - p[clock]) * 1e3 for b, p in zip(blocks[v.name], plain)])
             x[f"{clock}_per_round"] = ratios
         out["variants"][v.name] = x
+    if "hand" in blocks:
+        # Each round's own work over the hand loop's of the same round: blocks of one round run seconds apart, while
+        # this machine's speed moves by 1.5-2x over minutes, so a ratio of medians over rounds mixes phases.
+        for v in variants:
+            if v.name not in ("plain", "hand"):
+                ratios = [b["own"] / h["own"] for b, h in zip(blocks[v.name], blocks["hand"])]
+                out["variants"][v.name]["own_vs_hand"] = median(ratios)
+                out["variants"][v.name]["own_vs_hand_q"] = quartiles(ratios)
+                out["variants"][v.name]["own_vs_hand_per_round"] = ratios
     return out
 
 
@@ -254,6 +263,9 @@ def report(o: dict) -> str:
                      f"{v['stats']['cpu_over_ms']:.2f}, hand loop {v['hand']['cpu_over_ms']:.2f}")
         lines.append(f"own work: statistics {v['stats']['own_ms']:.2f} ms/step, hand loop {v['hand']['own_ms']:.2f}"
                      f" ms/step = {v['stats']['own_ms'] / v['hand']['own_ms']:.2f}x")
+        q1, q3 = v["stats"]["own_vs_hand_q"]
+        lines.append(f"own work, statistics / hand loop of the same round: median {v['stats']['own_vs_hand']:.2f}x "
+                     f"[{q1:.2f}x, {q3:.2f}x] over {len(v['stats']['own_vs_hand_per_round'])} rounds")
     return "\n".join(lines)
 
 
@@ -268,8 +280,10 @@ def verdicts(results: dict) -> list:
         so, ho = v["stats"]["own_ms"], v["hand"]["own_ms"]
         s, (q1, q3) = v["stats"]["cpu_ratio"] - 1, v["stats"]["cpu_q"]
         whole = f"whole-step CPU {s * 100:+.1f}% [{(q1 - 1) * 100:+.1f}%, {(q3 - 1) * 100:+.1f}%]"
-        out.append(f"{name}: own work, statistics {so:.2f} vs hand loop {ho:.2f} ms/step = {so / ho:.2f}x: "
-                   + ("MET" if so <= ho else "NOT MET") + f" (statistics <= hand loop); {whole}")
+        paired, (p1, p3) = v["stats"]["own_vs_hand"], v["stats"]["own_vs_hand_q"]
+        out.append(f"{name}: own work, statistics / hand loop of the same round {paired:.2f}x [{p1:.2f}x, {p3:.2f}x] "
+                   f"(medians over rounds: {so:.2f} vs {ho:.2f} ms/step = {so / ho:.2f}x): "
+                   + ("MET" if paired <= 1 else "NOT MET") + f" (statistics <= hand loop); {whole}")
         if name == "transformer":
             share = v["stats"]["own_ratio"]
             out.append(f"{name}: statistics {share * 100:.1f}% of a step by own work (target <= 3%): "

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import operator
 from typing import Callable, Sequence
 
 import numpy as np
@@ -92,6 +93,42 @@ def tensor_stats(t: torch.Tensor) -> torch.Tensor:
     return torch.stack([mean, std.float(), norm, absmax, zero_frac, flag])
 
 
+@dataclasses.dataclass(frozen=True)
+class _BucketPlan:
+    """Where ``batched_stats`` puts each tensor of one list of sizes (and zero-count flags): made once per such list
+    and device (a recorder's full statistics set sees the same few lists at every such step), so that a call runs no
+    index arithmetic of its own."""
+
+    order: list  # the tensors in bucket order
+    buckets: list  # (members, width, zeros counted) per bucket, in order
+    positions: torch.Tensor  # where each element of the concatenation (in `order`) goes in the padded buffer
+    padded: torch.Tensor  # the zero-padded float64 buffer (the padding is never written: reused call after call)
+    n: torch.Tensor  # element counts, float64, in `order`
+    inverse: torch.Tensor | None  # back to input order; None when `order` is the input's
+
+    @classmethod
+    def make(cls, counts: np.ndarray, count_zeros: np.ndarray, device: torch.device) -> "_BucketPlan":
+        widths = np.full(len(counts), 64, dtype=np.int64)
+        while (widths < counts).any():
+            widths = np.where(widths < counts, widths * 4, widths)
+        buckets = widths * 2 + count_zeros  # a bucket: one width, zeros counted in all of its tensors or in none
+        order = np.argsort(buckets, kind="stable")  # bucket by bucket, each in input order
+        slots = np.concatenate([[0], np.cumsum(widths[order])])  # each tensor's place in the padded buffer
+        sources = np.concatenate([[0], np.cumsum(counts[order])])
+        positions = np.arange(sources[-1]) + np.repeat(slots[:-1] - sources[:-1], counts[order])
+        in_order = (order == np.arange(len(order))).all()
+        return cls(order=order.tolist(),
+                   buckets=[(int((buckets == b).sum()), int(b // 2), bool(b % 2)) for b in np.unique(buckets)],
+                   positions=torch.from_numpy(positions).to(device),
+                   padded=torch.zeros(int(slots[-1]), dtype=torch.float64, device=device),
+                   n=torch.from_numpy(counts[order].astype(np.float64)).to(device),
+                   inverse=None if in_order else torch.from_numpy(np.argsort(order)).to(device))
+
+
+_BUCKET_PLANS: dict = {}  # (sizes, zero-count flags, device) -> _BucketPlan, the few most recent
+_BUCKET_PLANS_KEPT = 16
+
+
 def batched_stats(flats: list[torch.Tensor], count_zeros: np.ndarray) -> torch.Tensor:
     """(len, 6) statistics of many small tensors, already flat (``_prepared``), none of them empty, on one device in
     a few ops per width bucket, whatever their number; zero fractions only where `count_zeros` (per tensor) says
@@ -105,41 +142,36 @@ def batched_stats(flats: list[torch.Tensor], count_zeros: np.ndarray) -> torch.T
     and scatter_reduce, were this function's first form: 3 ms for the 145 tensors of a tiny GPT's full set on the
     CPU.)"""
     device = flats[0].device
-    counts = np.fromiter((f.numel() for f in flats), dtype=np.int64, count=len(flats))
-    widths = np.full(len(flats), 64, dtype=np.int64)
-    while (widths < counts).any():
-        widths = np.where(widths < counts, widths * 4, widths)
-    buckets = widths * 2 + count_zeros  # a bucket: one width, zeros counted in all of its tensors or in none
-    order = np.argsort(buckets, kind="stable")  # bucket by bucket, each in input order
-    slots = np.concatenate([[0], np.cumsum(widths[order])])  # each tensor's place in the padded buffer, in `order`
-    sources = np.concatenate([[0], np.cumsum(counts[order])])
-    # where each element of the concatenation (in `order`) goes: its tensor's slot, plus its place in the tensor
-    positions = np.arange(sources[-1]) + np.repeat(slots[:-1] - sources[:-1], counts[order])
+    counts = np.fromiter(map(torch.Tensor.numel, flats), dtype=np.int64, count=len(flats))
+    key = (counts.tobytes(), count_zeros.tobytes(), device)
+    plan = _BUCKET_PLANS.get(key)
+    if plan is None:
+        if len(_BUCKET_PLANS) >= _BUCKET_PLANS_KEPT:
+            del _BUCKET_PLANS[next(iter(_BUCKET_PLANS))]
+        plan = _BUCKET_PLANS[key] = _BucketPlan.make(counts, count_zeros, device)
     with torch.no_grad():
-        padded = torch.zeros(int(slots[-1]), dtype=torch.float64, device=device)
-        padded.index_copy_(0, torch.from_numpy(positions).to(device),
-                           torch.cat([flats[i] for i in order]).to(torch.float64))
+        padded = plan.padded
+        padded.index_copy_(0, plan.positions, torch.cat([flats[i] for i in plan.order]).to(torch.float64))
         parts, at = [], 0
-        for bucket in np.unique(buckets):
-            members, width = int((buckets == bucket).sum()), int(bucket // 2)
+        for members, width, zeros in plan.buckets:
             block = padded[at:at + members * width].view(members, width)
             at += members * width
             # amax and amin: two vectorised passes, several times faster than one vector_norm(ord=inf)
             absmax = torch.maximum(block.amax(1), -block.amin(1))
-            nonzero = torch.count_nonzero(block, dim=1).double() if bucket % 2 else \
+            nonzero = torch.count_nonzero(block, dim=1).double() if zeros else \
                 torch.full((members,), float("nan"), dtype=torch.float64, device=device)
             # sums of squares, not norms: a constant tensor's std is exactly 0
             parts.append(torch.stack([block.sum(1), torch.linalg.vecdot(block, block, dim=1), absmax, nonzero], dim=1))
         sums, squares, absmax, nonzero = (torch.cat(parts) if len(parts) > 1 else parts[0]).T
-        n = torch.from_numpy(counts[order].astype(np.float64)).to(device)
+        n = plan.n
         mean = sums / n
         norms = squares.sqrt()
         std = ((squares - sums * mean).clamp_min(0) / (n - 1)).sqrt()
         std = torch.where(n > 1, std, torch.full_like(std, float("nan")))
         flag = (sums + absmax) * 0.0  # NaN exactly when a tensor holds NaN/Inf
         rows = torch.stack([mean, std, norms, absmax, (n - nonzero) / n, flag], dim=1).float()
-        if (order != np.arange(len(order))).any():
-            rows = rows[torch.from_numpy(np.argsort(order)).to(device)]
+        if plan.inverse is not None:
+            rows = rows[plan.inverse]
     return rows
 
 
@@ -298,6 +330,8 @@ class StepStatistics:
 
 # -- the lean set: the default at every statistics step ------------------------------------------------------------
 
+_SHAPE = operator.attrgetter("shape")
+
 # Small tensors are reduced in chunks of this many elements (SnapshotPool), then each tensor's chunks added up.
 CHUNK = 64
 
@@ -348,7 +382,7 @@ class SnapshotPool:
     def layout(self, live: list[torch.Tensor], params: list[torch.Tensor]) -> "SnapshotPool":
         # A parameter keeps its identity when `.data` is swapped for another shape: the shapes are compared always,
         # the identities only when the list is not the one laid out for last.
-        shapes = [p.shape for p in params]
+        shapes = list(map(_SHAPE, params))
         if live is self._live and shapes == self.key[1]:
             return self
         key = (list(map(id, live)), shapes)
@@ -490,12 +524,12 @@ class LeanStep:
         these numbers alone; where one is NaN or infinite, now, with the exact NaN/Inf counts only the tensors can
         give."""
         pool = self.pool
+        values = host.tolist()  # Python's sums of so few numbers cost less than numpy's
         if self.grads is not None and not self.closure:
-            squares = host[pool.grad_squares_at].tolist() + [n * n for n in host[pool.grad_norms_at].tolist()]
-            self.grad_norm = math.sqrt(sum(squares))
+            self.grad_norm = math.sqrt(sum(values[pool.grad_squares_at]) +
+                                       sum([n * n for n in values[pool.grad_norms_at]]))
         tables = pool.tables if not self.no_grad else LeanTables.without_gradients(pool.tables, self.no_grad)
-        # NaN and Inf propagate into the sum (a Python sum of the list: numpy's reduction costs more for so few)
-        if math.isfinite(sum(host.tolist())):
+        if math.isfinite(sum(values)):  # NaN and Inf propagate into the sum
             return StatsRows(self.names, LEAN_COLUMNS, maker=tables, numbers=host)
         return StatsRows(self.names, LEAN_COLUMNS, tables.tables(host[None], self._count_nonfinite)[0])
 

@@ -14,6 +14,7 @@ squares those statistics take anyway (``device_stats.LeanStep.grad_norm``).
 from __future__ import annotations
 
 import math
+import operator
 from collections import defaultdict
 
 import torch
@@ -98,6 +99,7 @@ TRUST_AFTER = 16
 # Two norms of the same gradients, taken by different reductions, differ in the last bits; a write that changes
 # them (clipping, a rescaling, a clamp) changes the norm by more.
 SAME_NORM_RTOL = 1e-5
+_VERSION = operator.attrgetter("_version")  # a tensor's version counter: every in-place write moves it
 # What BackwardNorm.at_step says of the norm it hands the step.
 MEASURED, SAME_AS_STEP, MEASURED_UNCHANGED = "measured", "same as the step's", "measured, gradients unchanged"
 
@@ -119,7 +121,7 @@ class BackwardNorm:
 
     def ended(self, grads: list[torch.Tensor]) -> None:
         """A backward pass ended, leaving `grads` (the optimizer's, in its order) for the next step."""
-        self._seen = (grads, [g._version for g in grads])
+        self._seen = (grads, list(map(_VERSION, grads)))
         if self.measuring():
             self._norm = self._total(grads)
 
@@ -132,8 +134,8 @@ class BackwardNorm:
         self._norm = self._seen = None
         if seen is None:
             return norm, MEASURED if norm is not None else None
-        unchanged = len(seen[0]) == len(grads) and all(a is b for a, b in zip(seen[0], grads)) and \
-            seen[1] == [g._version for g in grads]
+        unchanged = len(seen[0]) == len(grads) and all(map(operator.is_, seen[0], grads)) and \
+            seen[1] == list(map(_VERSION, grads))
         if not unchanged:
             self._changed = True
             return norm, MEASURED if norm is not None else None

@@ -11,6 +11,7 @@ file, or the flight recorder's memory).
 from __future__ import annotations
 
 import dataclasses
+import operator
 import time
 
 import torch
@@ -89,6 +90,10 @@ class LeanPlan:
 
 
 _PLAIN_TENSOR = {torch.Tensor}
+_STRIDED = {torch.strided}
+# per-step attribute reads over every parameter, done by map in C rather than a Python loop
+_GRAD, _LAYOUT = operator.attrgetter("grad"), operator.attrgetter("layout")
+_NONE_ID = id(None)
 
 
 def gradients(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
@@ -189,7 +194,9 @@ class OptimizerTrack:
         if any(self.cadence(self.steps_done)):
             plan = self._lean_plan  # its parameters are the optimizer's, in order: no walk over its groups
             if plan is not None and plan.all_selected and plan.layout == layout_of(self.optimizer):
-                grads = [g for g in (p.grad for p in plan.live) if g is not None]
+                grads = list(map(_GRAD, plan.live))
+                if _NONE_ID in map(id, grads):
+                    grads = [g for g in grads if g is not None]
             else:
                 grads = gradients(self.optimizer)
             self._backward_norms.ended(grads)
@@ -327,12 +334,12 @@ class OptimizerTrack:
         if closure_step:
             stats = LeanStep(self._snapshot_pool(), names, live, live, None)
         else:
-            grads = [p.grad for p in live]
+            grads = list(map(_GRAD, live))
             # The parameters were checked with the plan (lean_applies); autograd gives a gradient its parameter's
             # shape, dtype and device, but a sparse one (nn.Embedding(sparse=True)) and a DTensor one of a plain
             # parameter are the general path's (which refuses the latter by name). One pass where every gradient is
             # a plain dense tensor: no None, no subclass.
-            if set(map(type, grads)) != _PLAIN_TENSOR or not all(g.layout is torch.strided for g in grads):
+            if set(map(type, grads)) != _PLAIN_TENSOR or set(map(_LAYOUT, grads)) != _STRIDED:
                 if any(g is None for g in grads):  # skipped by the optimizer (a frozen parameter): not recorded
                     tracked = [t for t, g in zip(tracked, grads) if g is not None]
                     live, names = [t.live for t in tracked], [t.snapshot.name for t in tracked]
