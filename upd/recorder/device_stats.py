@@ -617,6 +617,9 @@ class LeanTables:
         """(steps, LEAN_KINDS, P) sums and sums of squares of every tensor, from (steps, n) host copies: the small
         tensors' as the device added their chunks up, the large tensors' norms squared."""
         steps, count = numbers.shape[0], len(self.inverse_n)
+        if not len(self.large):  # every tensor small, in the store's order: the numbers are the tables' layout
+            small = numbers.reshape(steps, 2, len(LEAN_KINDS), count)
+            return small[:, 0].copy(), small[:, 1]
         sums, squares = np.zeros((steps, len(LEAN_KINDS), count)), np.zeros((steps, len(LEAN_KINDS), count))
         at = 0
         if len(self.small):

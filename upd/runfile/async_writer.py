@@ -15,7 +15,8 @@ queue of 2 cost +5%, because h5py releases the GIL inside the actual write (a wr
 * Statistics-only records are committed in batches: up to ``HOLD_ROWS`` of them (``HOLD_CELLS`` rows x parameters),
   for at most ``HOLD_SECONDS``, written with one commit (``RunWriter.write`` of a list). One at a time, a statistics
   row cost 6.7 ms of writer time on a 29-parameter model (flushes, per-dataset calls); in a batch of 64 about 0.07
-  ms, in a batch of 256 about 0.03 ms (docs/performance.md). A batch is a list the
+  ms, in a batch of 256 about 0.03 ms (docs/performance.md); on such a model a second of steps is several hundred
+  rows, so the batch is bounded by time more than by rows. A batch is a list the
   training thread appends to (``_Batch``): only its first row goes through the queue, as the batch itself, and wakes
   the writer thread, which then sleeps until the batch's deadline, until it is full, or until anything else is
   queued. Putting every row on the queue woke the writer thread at every step, a GIL round trip that cost 0.25 ms
@@ -68,8 +69,9 @@ _POLL_SECONDS = 0.05  # how often a blocked put checks that the writer thread is
 _BATCH_LOCK_SECONDS = 1.0  # the longest the writer thread waits for a batch the training thread is appending to
 # Statistics-only records committed together at most: a commit costs a few milliseconds whatever its rows (two
 # flushes, a disk reservation, the live-reading lock), which at 64 rows was most of the writer's time per row on a
-# small model (docs/performance.md); and at most this many rows x parameters (what a held batch keeps in memory).
-HOLD_ROWS = 256
+# small model (docs/performance.md), and at 256 rows still a third of it on a model whose step takes 2 ms (a batch
+# then filled in half a second); and at most this many rows x parameters (what a held batch keeps in memory).
+HOLD_ROWS = 1024
 HOLD_CELLS = 1 << 17
 HOLD_SECONDS = 1.0  # the longest a statistics-only record waits to be committed
 FULL_BATCH = 16  # full records committed together at most (those already queued: at most max_pending + 1)
