@@ -10,10 +10,10 @@ Two sets, two costs (docs/performance.md has the measurements):
   parameter, its gradient and its update, so update:data and grad:data. Two reductions per tensor (a sum and a sum
   of squares), the parameter snapshot copied into buffers kept between steps (``SnapshotPool``), the update formed
   in place in them, and every tensor of up to ``SMALL_LIMIT`` elements reduced together, in chunks, from one
-  zero-padded float64 store (seven ops for all of them, whatever their number); the writer thread makes the table
+  zero-padded float64 store (six ops for all of them, whatever their number); the writer thread makes the table
   (``LeanTables``). That costs less than the hand-written loop it replaces (a
   clone and two ``std()`` per weight) on a transformer and a wide MLP; on a tiny model the recorder's own work per
-  step is still about 2x the hand loop's (docs/performance.md says where it goes).
+  step is still 1.2-1.5x the hand loop's (docs/performance.md says where it goes).
 * The **full set** (``StepStatistics``, every ``full_stats_every``-th step): also abs max, fractions of exact
   zeros, and the same statistics of every optimizer-state tensor.
 """
@@ -360,11 +360,11 @@ class SnapshotPool:
 
     * small tensors (up to SMALL_LIMIT elements) live in one zero-padded float64 (3, width) buffer (``store``), each
       at a CHUNK-aligned place: row 0 holds each parameter before the step, row 1 its gradient, row 2 its value
-      after the step, which one subtraction turns into before - after. Each row is filled by one foreach copy for
-      all tensors; after the step, one sum and one sum of squares over the (3, chunks, CHUNK) view reduce
-      everything, and one indexed addition adds each tensor's chunks up, straight into the step's host buffer
-      (``small_host``). On a small model the cost of a step is its number of ops, not their bytes: this is
-      seven, whatever the number of tensors. float64 keeps the one-pass std exact where |mean| >> std (norm-layer
+      after the step, which one subtraction turns into before - after. The first two rows are filled by one foreach
+      copy before the step, the third by one after it; then one sum and one sum of squares over the (3, chunks,
+      CHUNK) view reduce everything, and one indexed addition adds each tensor's chunks up, straight into the step's
+      host buffer (``small_host``). On a small model the cost of a step is its number of ops more than their bytes:
+      this is six, whatever the number of tensors. float64 keeps the one-pass std exact where |mean| >> std (norm-layer
       scales near 1 are small tensors) and the update exact (the difference of two float32 numbers is a float64
       one); reducing float64 data was also faster than reducing float32 data with a float64 accumulator
       (docs/performance.md);
