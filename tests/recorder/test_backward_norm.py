@@ -91,3 +91,24 @@ def test_a_write_through_data_is_caught_by_comparing_the_norms(tmp_path):
     assert scalars[schema.SCALAR_GRAD_NORM_AT_STEP].tolist() == pytest.approx(at_step, rel=1e-5)
     assert clipping_by_step(scalars.reset_index())["clipped"].all()
     assert all(math.isclose(s, 0.3 * b, rel_tol=1e-5) for s, b in zip(at_step, backward))
+
+
+def test_gradients_dropped_before_a_step_are_freed(tmp_path):
+    """A backward pass whose step is skipped (a bad batch: zero_grad and go on) leaves nothing held: the versions
+    noted at its end refer to the gradients weakly."""
+    import gc
+    import weakref
+
+    torch.manual_seed(0)
+    model = nn.Linear(64, 64)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    with upd.record(str(tmp_path / "run.h5"), model, opt, every=None, stats_every=1):
+        for _ in range(2):
+            opt.zero_grad()
+            model(torch.randn(4, 64)).pow(2).mean().backward()
+            opt.step()
+        model(torch.randn(4, 64)).pow(2).mean().backward()  # this step is skipped
+        dropped = weakref.ref(model.weight.grad)
+        opt.zero_grad(set_to_none=True)
+        gc.collect()
+        assert dropped() is None

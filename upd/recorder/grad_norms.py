@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import math
 import operator
+import weakref
 from collections import defaultdict
 
 import torch
@@ -112,7 +113,9 @@ class BackwardNorm:
     def __init__(self):
         self._total = TotalNorm()  # the buffer a measured norm reuses
         self._norm: torch.Tensor | None = None  # measured at the last backward pass's end
-        self._seen: tuple | None = None  # (gradients, their versions) at the last backward pass's end
+        # (weak references to the gradients, their versions) at the last backward pass's end: weak, so that a
+        # gradient dropped before the step (zero_grad after a skipped step) is freed, not held until the next one
+        self._seen: tuple | None = None
         self._trusted = 0  # recorded steps that found the gradients unchanged and both norms equal
         self._changed = False  # a step found them changed once: measured at every backward pass since
 
@@ -121,7 +124,7 @@ class BackwardNorm:
 
     def ended(self, grads: list[torch.Tensor]) -> None:
         """A backward pass ended, leaving `grads` (the optimizer's, in its order) for the next step."""
-        self._seen = (grads, list(map(_VERSION, grads)))
+        self._seen = (list(map(weakref.ref, grads)), list(map(_VERSION, grads)))
         if self.measuring():
             self._norm = self._total(grads)
 
@@ -129,12 +132,12 @@ class BackwardNorm:
         """(the norm measured when the last backward pass ended, or None; how it relates to the step's: MEASURED,
         SAME_AS_STEP (not measured: the step's own norm is the backward pass's), MEASURED_UNCHANGED (to be compared
         with the step's, ``compared``), or None (unknown: not measured, and the gradients changed)). Forgets both:
-        nothing holds the gradients after the step's pre-hook."""
+        the references are not kept past the step's pre-hook."""
         norm, seen = self._norm, self._seen
         self._norm = self._seen = None
         if seen is None:
             return norm, MEASURED if norm is not None else None
-        unchanged = len(seen[0]) == len(grads) and all(map(operator.is_, seen[0], grads)) and \
+        unchanged = len(seen[0]) == len(grads) and all(map(operator.is_, [ref() for ref in seen[0]], grads)) and \
             seen[1] == list(map(_VERSION, grads))
         if not unchanged:
             self._changed = True
