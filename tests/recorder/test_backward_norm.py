@@ -27,6 +27,9 @@ def train(path, change=None, steps=STEPS, **options):
     g = torch.Generator().manual_seed(1)
     backward, at_step = [], []
     measured = []
+
+    def total():
+        return float(torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in model.parameters()])))
     real_call = grad_norms.TotalNorm.__call__
 
     def counting(self, tensors):
@@ -37,11 +40,12 @@ def train(path, change=None, steps=STEPS, **options):
         with upd.record(path, model, opt, every=None, stats_every=1, full_stats_every=None, **options):
             for step in range(steps):
                 opt.zero_grad()
-                nn.functional.mse_loss(model(torch.randn(16, 8, generator=g)), torch.randn(16, 4, generator=g)).backward()
-                backward.append(float(torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in model.parameters()]))))
+                x, y = torch.randn(16, 8, generator=g), torch.randn(16, 4, generator=g)
+                nn.functional.mse_loss(model(x), y).backward()
+                backward.append(total())
                 if change is not None:
                     change(step, model)
-                at_step.append(float(torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in model.parameters()]))))
+                at_step.append(total())
                 opt.step()
     finally:
         grad_norms.TotalNorm.__call__ = real_call

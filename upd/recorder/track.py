@@ -132,7 +132,7 @@ class OptimizerTrack:
         self.job_parts: tuple[int, dict] | None = None  # (step, its parts' statistics), until shared
         self._step_scalars: dict = {}  # scalars the recorder measured in the step in progress
         self.grad_scaling: GradScaling | None = None  # what GradScaler handed the fused step in progress
-        self._backward_norms = BackwardNorm()  # the total gradient norm at each backward pass's end, while it can differ
+        self._backward_norms = BackwardNorm()  # the total norm at each backward pass's end, while it can differ
         self._backward_relation: str | None = None  # what the step in progress took from it (BackwardNorm.at_step)
         self._closure_evaluated_once = False  # this step(closure) evaluated its closure
         self._shards: dict[int, ShardLayout] = {}  # id(DTensor parameter) -> its ShardLayout, found with its name
