@@ -105,6 +105,7 @@ class _BucketPlan:
     padded: torch.Tensor  # the zero-padded float64 buffer (the padding is never written: reused call after call)
     n: torch.Tensor  # element counts, float64, in `order`
     inverse: torch.Tensor | None  # back to input order; None when `order` is the input's
+    no_counts: list  # per bucket: NaN non-zero counts where zeros are not counted (None where they are)
 
     @classmethod
     def make(cls, counts: np.ndarray, count_zeros: np.ndarray, device: torch.device) -> "_BucketPlan":
@@ -117,8 +118,11 @@ class _BucketPlan:
         sources = np.concatenate([[0], np.cumsum(counts[order])])
         positions = np.arange(sources[-1]) + np.repeat(slots[:-1] - sources[:-1], counts[order])
         in_order = (order == np.arange(len(order))).all()
+        planned = [(int((buckets == b).sum()), int(b // 2), bool(b % 2)) for b in np.unique(buckets)]
         return cls(order=order.tolist(),
-                   buckets=[(int((buckets == b).sum()), int(b // 2), bool(b % 2)) for b in np.unique(buckets)],
+                   buckets=planned,
+                   no_counts=[None if zeros else torch.full((members,), float("nan"), dtype=torch.float64,
+                                                            device=device) for members, _, zeros in planned],
                    positions=torch.from_numpy(positions).to(device),
                    padded=torch.zeros(int(slots[-1]), dtype=torch.float64, device=device),
                    n=torch.from_numpy(counts[order].astype(np.float64)).to(device),
@@ -152,17 +156,19 @@ def batched_stats(flats: list[torch.Tensor], count_zeros: np.ndarray) -> torch.T
     with torch.no_grad():
         padded = plan.padded
         padded.index_copy_(0, plan.positions, torch.cat([flats[i] for i in plan.order]).to(torch.float64))
-        parts, at = [], 0
-        for members, width, zeros in plan.buckets:
+        sums, squares, lows, highs, nonzero, at = [], [], [], [], [], 0
+        for (members, width, zeros), no_count in zip(plan.buckets, plan.no_counts):
             block = padded[at:at + members * width].view(members, width)
             at += members * width
-            # amax and amin: two vectorised passes, several times faster than one vector_norm(ord=inf)
-            absmax = torch.maximum(block.amax(1), -block.amin(1))
-            nonzero = torch.count_nonzero(block, dim=1).double() if zeros else \
-                torch.full((members,), float("nan"), dtype=torch.float64, device=device)
-            # sums of squares, not norms: a constant tensor's std is exactly 0
-            parts.append(torch.stack([block.sum(1), torch.linalg.vecdot(block, block, dim=1), absmax, nonzero], dim=1))
-        sums, squares, absmax, nonzero = (torch.cat(parts) if len(parts) > 1 else parts[0]).T
+            sums.append(block.sum(1))
+            squares.append(torch.linalg.vecdot(block, block, dim=1))  # not norms: a constant tensor's std is 0
+            low, high = torch.aminmax(block, dim=1)  # one pass; vector_norm(ord=inf) was several times slower
+            lows.append(low)
+            highs.append(high)
+            nonzero.append(torch.count_nonzero(block, dim=1) if zeros else no_count)
+        sums, squares, lows, highs = (torch.cat(x) if len(x) > 1 else x[0] for x in (sums, squares, lows, highs))
+        nonzero = torch.cat(nonzero).double() if len(nonzero) > 1 else nonzero[0].double()
+        absmax = torch.maximum(highs, -lows)
         n = plan.n
         mean = sums / n
         norms = squares.sqrt()
