@@ -287,3 +287,29 @@ def test_cuda_params_recorded_as_cpu_copies(tmp_path):
                 assert torch.equal(p.read("grad", row), grads[row][name])
             assert torch.equal(p.read("param_after", 2), params_of(model)[name].cpu())
     assert upd.verify(path).exit_code == 0
+
+
+def test_each_recorded_step_has_the_hyperparameters_of_its_own_step(tmp_path):
+    """Hyperparameter snapshots are reused while a group's values stay the same objects: a value replaced in the
+    group (a new betas tuple, a weight decay) shows from its step on, and an lr a scheduler fills in place in a
+    tensor is read again at every step."""
+    torch.manual_seed(0)
+    first, second = nn.Linear(4, 4), nn.Linear(4, 4)
+    opt = torch.optim.AdamW([{"params": first.parameters(), "lr": 0.01, "weight_decay": 0.1},
+                             {"params": second.parameters(), "lr": torch.tensor(0.01)}])
+    path = str(tmp_path / "run.h5")
+    with upd.record(path, nn.Sequential(first, second), opt, every=None, stats_every=1):
+        for step in range(6):
+            if step == 2:
+                opt.param_groups[0]["betas"] = (0.8, 0.9)
+            if step == 4:
+                opt.param_groups[0]["weight_decay"] = 0.0
+            opt.param_groups[1]["lr"].fill_(0.01 * (step + 1))
+            opt.zero_grad()
+            second(first(torch.randn(3, 4))).pow(2).mean().backward()
+            opt.step()
+    with upd.open_run(path) as run:
+        groups = [run.optimizers[0].step_hparams(step) for step in range(6)]
+    assert [tuple(g[0]["betas"]) for g in groups] == [(0.9, 0.999)] * 2 + [(0.8, 0.9)] * 4
+    assert [g[0]["weight_decay"] for g in groups] == [0.1] * 4 + [0.0] * 2
+    assert [g[1]["lr"] for g in groups] == pytest.approx([0.01 * (s + 1) for s in range(6)])
