@@ -435,11 +435,6 @@ class SnapshotPool:
                 inverse_n=np.where(n > 0, 1 / n, np.nan),  # an empty tensor's statistics are NaN
                 inverse_n_1=np.where(n > 1, 1 / (n - 1), np.nan),  # the unbiased std of one number too
                 empty=(n == 0) if (n == 0).any() else None)
-        # where the gradients' sums of squares are in a step's host copy (``LeanStep.rows``): the step's total norm
-        small_grads = (len(LEAN_KINDS) + LEAN_KINDS.index("grad")) * len(self.small)
-        at = 2 * len(LEAN_KINDS) * len(self.small)
-        self.grad_squares_at = slice(small_grads, small_grads + len(self.small))  # sums of squares
-        self.grad_norms_at = slice(at + 3, at + 4 * len(self.large), 4)  # large gradients' norms (large_before)
         self.key, self._live = key, live
         return self
 
@@ -532,8 +527,7 @@ class LeanStep:
         pool = self.pool
         values = host.tolist()  # Python's sums of so few numbers cost less than numpy's
         if self.grads is not None and not self.closure:
-            self.grad_norm = math.sqrt(sum(values[pool.grad_squares_at]) +
-                                       sum([n * n for n in values[pool.grad_norms_at]]))
+            self.grad_norm = pool.tables.grad_norm(values)
         tables = pool.tables if not self.no_grad else LeanTables.without_gradients(pool.tables, self.no_grad)
         if math.isfinite(sum(values)):  # NaN and Inf propagate into the sum
             return StatsRows(self.names, LEAN_COLUMNS, maker=tables, numbers=host)
@@ -641,6 +635,16 @@ class LeanTables:
             sums[:, 2, self.large] = after[:, :, 0]
             squares[:, 2, self.large] = after[:, :, 1] ** 2
         return sums, squares
+
+    def grad_norm(self, values: list) -> float:
+        """The total norm of a step's gradients from its host numbers (as ``sums_and_squares`` reads them, here one
+        step's, as a list: Python's sums of so few numbers cost less than numpy's): the small gradients' sums of
+        squares and the large ones' norms."""
+        small, large, kinds = len(self.small), len(self.large), len(LEAN_KINDS)
+        at = (kinds + _GRAD) * small  # the small tensors' (sums, sums of squares) x kinds x tensors
+        squares = sum(values[at:at + small])
+        at = 2 * kinds * small  # then per large tensor (parameter, gradient) x (sum, norm)
+        return math.sqrt(squares + sum([n * n for n in values[at + 3:at + 4 * large:4]]))
 
     def tables(self, numbers: np.ndarray, count_nonfinite: Callable | None = None) -> np.ndarray:
         """(steps, P, len(LEAN_COLUMNS)) tables, from (steps, n) host copies of lean steps (each the sums and sums

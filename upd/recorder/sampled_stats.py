@@ -168,8 +168,8 @@ class SampledStep:
         # the total gradient norm from the exact parts' norms in the host copy
         squares = self.exact.grad_norm ** 2 if self.exact is not None else 0.0
         if pool.sampled:
-            at = exact_length + 6 * len(pool.sampled) + pool.exact_norms.index("grad") * len(pool.sampled)
-            squares += float(np.sum(host[at:at + len(pool.sampled)] ** 2))
+            grad_norms = self._exact_norms(host[exact_length:])[pool.exact_norms.index("grad")]
+            squares += float(np.sum(grad_norms ** 2))
         self.grad_norm = math.sqrt(squares)
         return StatsRows(self.names, LEAN_COLUMNS, table)  # read as LeanStep's: {name: {column: value}}
 
@@ -177,8 +177,8 @@ class SampledStep:
         """(sampled, len(LEAN_COLUMNS)) rows of the sampled tensors, from their part of the host copy."""
         pool = self.pool
         count, k, n = len(pool.sampled), pool.k, pool.numel
-        sums, squares = host[:6 * count].reshape(2, len(LEAN_KINDS), count)[:, :, pool.order]
-        exact_norms = host[6 * count:].reshape(len(pool.exact_norms), count)
+        sums, squares = host[:2 * len(LEAN_KINDS) * count].reshape(2, len(LEAN_KINDS), count)[:, :, pool.order]
+        exact_norms = self._exact_norms(host)
         with np.errstate(invalid="ignore", divide="ignore", over="ignore"):
             mean = sums / k
             variance = np.maximum(squares - sums * mean, 0.0) / (k - 1)  # the sample's, unbiased
@@ -204,6 +204,12 @@ class SampledStep:
             table[LEAN_COLUMNS.index(UPDATE_TO_DATA)] = update_to_data(std[update], std[LEAN_KINDS.index("param")])
             table[LEAN_COLUMNS.index(GRAD_TO_DATA)] = grad_to_data(std[grad], std[LEAN_KINDS.index("param")])
         return table.T
+
+    def _exact_norms(self, host: np.ndarray) -> np.ndarray:
+        """(kinds of pool.exact_norms, sampled) exact norms, from the sampled tensors' part of the host copy (after
+        their sums and sums of squares)."""
+        count = len(self.pool.sampled)
+        return host[2 * len(LEAN_KINDS) * count:].reshape(len(self.pool.exact_norms), count)
 
     def _count_nonfinite(self, flagged: np.ndarray, counts: np.ndarray) -> None:
         """Exact NaN/Inf counts of flagged parameters (after the step, as LeanStep counts them) and gradients, in one
