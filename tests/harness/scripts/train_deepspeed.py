@@ -174,6 +174,7 @@ def main() -> None:
         else:
             run(out, config, rank, world)
     torch.distributed.barrier()
+    torch.distributed.destroy_process_group()  # an exit with a live gloo group can abort at interpreter teardown
 
 
 if __name__ == "__main__":

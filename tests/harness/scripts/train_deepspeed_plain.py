@@ -27,3 +27,4 @@ for step in range(STEPS):
     loss = engine(tokens[rank::world], targets[rank::world])
     engine.backward(loss)
     engine.step()
+torch.distributed.destroy_process_group()  # an exit with a live gloo group can abort at interpreter teardown
