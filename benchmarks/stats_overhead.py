@@ -91,7 +91,7 @@ class SeedLoop(Plain):
     name, label = "seed", "the seed's loop as written: two named_parameters() walks, two clones per weight"
 
     def start(self, w, path):
-        self.model_params = list(w.model.parameters())
+        self.params = w.params  # where stop() finds the attributes this loop sets
 
     def before(self, w):
         for name, param in w.model.named_parameters():
@@ -107,7 +107,7 @@ class SeedLoop(Plain):
                 param.data_before_step = param.data.clone()
 
     def stop(self):
-        for param in self.model_params:  # the other variants train the same model
+        for param in self.params:  # the other variants train the same model
             if hasattr(param, "data_before_step"):
                 del param.data_before_step
 
