@@ -1,6 +1,7 @@
 """Was gradient clipping active? Real runs with and without clip_grad_norm_, with gradient accumulation and
 GradScaler, against the norms the training loop itself saw."""
 import h5py
+import numpy as np
 import pytest
 import torch
 from click.testing import CliRunner
@@ -57,8 +58,15 @@ def test_clipped_steps_and_the_norm_before_clipping_are_the_loops_own(tmp_path):
         [MAX_NORM] * sum(expected_clipped), rel=1e-5)
     assert (summary.clipped_steps, summary.measured_steps) == (sum(expected_clipped), len(returned))
     assert summary.clipped_to == pytest.approx(MAX_NORM, rel=1e-5)
-    assert summary.text() == (f"gradient clipped on {sum(expected_clipped)}/{len(returned)} steps (pre-clip total "
-                              f"norm median {summary.median_norm_backward:.3g}, clipped to {MAX_NORM:.3g})")
+    clipped_norms = [norm for norm, clipped in zip(returned, expected_clipped) if clipped]
+    assert summary.median_norm_clipped == pytest.approx(float(np.median(clipped_norms)), rel=1e-5)
+    assert summary.median_norm_backward == pytest.approx(float(np.median(returned)), rel=1e-5)
+    last = max(step for step, clipped in enumerate(expected_clipped) if clipped)
+    assert summary.last_clipped_step == last
+    assert summary.text() == (f"gradient clipped to {MAX_NORM:.3g} on {sum(expected_clipped)}/{len(returned)} steps, "
+                              f"the last at step {last} (pre-clip total norm median "
+                              f"{summary.median_norm_clipped:.3g} on those, {summary.median_norm_backward:.3g} over "
+                              f"all {len(returned)})")
 
 
 def test_a_run_without_clipping_says_so(tmp_path):
@@ -100,7 +108,8 @@ def test_info_and_analyze_say_whether_the_gradient_was_clipped(tmp_path):
     returned = train(path, clip=MAX_NORM)
     with upd.open_run(path) as run:
         line = clipping_summary(run).text()
-    assert line.startswith(f"gradient clipped on {sum(n > MAX_NORM * 1.001 for n in returned)}/8 steps")
+    assert line.startswith(f"gradient clipped to {MAX_NORM:.3g} on {sum(n > MAX_NORM * 1.001 for n in returned)}/8 "
+                           "steps, the last at step")
     for command in (["info", str(path)], ["analyze", str(path), "--no-plots"]):
         result = CliRunner().invoke(main, command)
         assert result.exit_code == 0, result.output

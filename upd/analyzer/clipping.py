@@ -58,12 +58,21 @@ class ClippingSummary:
     unscaled_steps: int  # power-of-two ratios: GradScaler's unscaling (the backward norm is of scaled gradients)
     median_norm_backward: float  # median total norm before clipping, over the measured steps
     clipped_to: float | None  # median total norm the step saw, over the clipped steps (the threshold)
+    median_norm_clipped: float | None = None  # median total norm before clipping, over the clipped steps
+    last_clipped_step: int | None = None  # clipping during warm-up only, or to the end: the step says which
 
     def text(self) -> str:
-        """One line for ``upd info`` and ``upd analyze``."""
-        if self.clipped_steps:
-            line = (f"gradient clipped on {self.clipped_steps}/{self.measured_steps} steps (pre-clip total norm "
-                    f"median {self.median_norm_backward:.3g}, clipped to {self.clipped_to:.3g})")
+        """One line for ``upd info`` and ``upd analyze``. The clipped steps' own pre-clip median is given beside the
+        median over all steps: with clipping on a few steps only, the second alone sits below the threshold and
+        reads as a contradiction."""
+        if self.clipped_steps == self.measured_steps:
+            line = (f"gradient clipped to {self.clipped_to:.3g} on {self.clipped_steps}/{self.measured_steps} steps "
+                    f"(pre-clip total norm median {self.median_norm_backward:.3g})")
+        elif self.clipped_steps:
+            line = (f"gradient clipped to {self.clipped_to:.3g} on {self.clipped_steps}/{self.measured_steps} steps, "
+                    f"the last at step {self.last_clipped_step} (pre-clip total norm median "
+                    f"{self.median_norm_clipped:.3g} on those, {self.median_norm_backward:.3g} over all "
+                    f"{self.measured_steps})")
         else:
             line = (f"gradient not clipped ({self.measured_steps} steps measured; total norm median "
                     f"{self.median_norm_backward:.3g})")
@@ -83,7 +92,10 @@ def summarize_clipping(scalars: pd.DataFrame) -> list[ClippingSummary]:
             optimizer=int(optimizer), measured_steps=len(rows), clipped_steps=len(clipped),
             unscaled_steps=int(rows["unscaled"].astype(bool).sum()),
             median_norm_backward=float(np.median(rows["norm_backward"].to_numpy(dtype=float))),
-            clipped_to=float(np.median(clipped["norm_step"].to_numpy(dtype=float))) if len(clipped) else None))
+            clipped_to=float(np.median(clipped["norm_step"].to_numpy(dtype=float))) if len(clipped) else None,
+            median_norm_clipped=float(np.median(clipped["norm_backward"].to_numpy(dtype=float))) if len(clipped)
+            else None,
+            last_clipped_step=int(clipped["step"].max()) if len(clipped) else None))
     return out
 
 

@@ -283,7 +283,8 @@ def clipping_findings(scalars: pd.DataFrame | None) -> list[Finding]:
                                s.text() + ": the clip threshold, not the lr, sets the step size", [], None,
                                {"optimizer": s.optimizer, "clipped_steps": s.clipped_steps,
                                 "measured_steps": s.measured_steps, "median_norm_backward": s.median_norm_backward,
-                                "clipped_to": s.clipped_to}))
+                                "clipped_to": s.clipped_to, "median_norm_clipped": s.median_norm_clipped,
+                                "last_clipped_step": s.last_clipped_step}))
     return out
 
 
