@@ -398,7 +398,9 @@ class OptimizerTrack:
 
     def _launch_stats_before_step(self, stats: StepStatistics, params: list[TrackedParam], closure_step: bool) -> None:
         """Gradient and state statistics of a statistics-only step must see the values before the step (the state is
-        updated in place): launched now for all parameters at once, read after the step with everything else."""
+        updated in place): launched now for all parameters at once, read after the step with everything else. The
+        parameters' own (their snapshots before the step) go in the same batch: one batched call fewer than after
+        the step, and their keys last, so the table's columns keep their order (StepStatistics.after_step)."""
         optimizer = self.optimizer
         keys, tensors = [], []
         for tracked in params:
@@ -410,13 +412,18 @@ class OptimizerTrack:
                 if isinstance(value, torch.Tensor) and value.numel() > 0:
                     keys.append((name, f"state.{key}"))
                     tensors.append(local_part(value))
-        live = {tracked.snapshot.name: tracked.live for tracked in params}
+        for tracked in params:
+            keys.append((tracked.snapshot.name, "param"))
+            tensors.append(tracked.before)
+        by_name = {tracked.snapshot.name: tracked for tracked in params}
 
         def after_the_step():
-            # A NaN/Inf recount reads the tensor again: the gradient is still there; the state has been updated
-            # in place by the step, so its count is of the state after the step.
-            return [local_part(live[name].grad if kind == "grad" else
-                               optimizer.state.get(live[name], {}).get(kind[len("state."):])) for name, kind in keys]
+            # A NaN/Inf recount reads the tensor again: the gradient and the snapshot are still there; the state has
+            # been updated in place by the step, so its count is of the state after the step.
+            return [by_name[name].before if kind == "param" else
+                    local_part(by_name[name].live.grad if kind == "grad" else
+                               optimizer.state.get(by_name[name].live, {}).get(kind[len("state."):]))
+                    for name, kind in keys]
         stats.launch(keys, tensors, recount=after_the_step)
 
     def _lean_statistics(self, params: list[TrackedParam]) -> LeanStep | None:
