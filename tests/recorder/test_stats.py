@@ -204,6 +204,30 @@ def test_nonfinite_gradients_are_counted(tmp_path):
     assert summary.loc["fc2.weight", "first_nonfinite_step"] == 1
 
 
+def test_nonfinite_parameters_are_counted_by_the_full_set(tmp_path):
+    """The full set's parameter statistics are launched before the step with the gradients'; a NaN/Inf flag is
+    recounted at read time from the parameter's snapshot before the step, and the update's from the update."""
+    torch.manual_seed(0)
+    model = MLP()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    path = str(tmp_path / "run.h5")
+    g = torch.Generator().manual_seed(0)
+    with upd.record(path, model, opt, every=None, stats_every=1, full_stats_every=1):
+        for step in range(3):
+            opt.zero_grad()
+            nn.functional.mse_loss(model(torch.randn(8, 16, generator=g)), torch.randn(8, 4, generator=g)).backward()
+            if step == 1:
+                with torch.no_grad():
+                    model.fc2.weight[0, :2] = torch.tensor([float("nan"), float("inf")])
+            opt.step()
+    with upd.open_run(path) as run:
+        table = run.stats().set_index(["param", "step"])
+    assert table.loc[("fc2.weight", 1), "param_nonfinite"] == 2  # the values the step started from
+    assert table.loc[("fc2.weight", 1), "update_nonfinite"] == 2  # nan - nan, inf - inf
+    assert table.loc[("fc2.weight", 0), "param_nonfinite"] == 0
+    assert table.loc[("fc1.weight", 1), "param_nonfinite"] == 0
+
+
 def test_analyze_and_info_work_on_statistics_only_runs(tmp_path):
     from click.testing import CliRunner
 
