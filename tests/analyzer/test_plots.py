@@ -13,6 +13,7 @@ from upd.analyzer.steps import compared_steps, describe_steps, full_record_steps
 from upd.analyzer.summary import Thresholds, summarize
 
 from tests.harness.analysis_runs import record_deep
+from tests.harness.training import MLP, train_steps
 
 
 def _figure(path, column="update_to_data", thresholds=Thresholds(), **kwargs):
@@ -76,6 +77,35 @@ def test_few_weights_are_lines_with_lr_and_loss_on_the_same_step_axis(tmp_path):
     # Without a logged loss there is no loss axes to show (and no empty one).
     fig, _, _ = _figure(record_deep(tmp_path / "noloss.h5", n_layers=3, steps=3, log_loss=False))
     assert "loss" not in _axes_by_ylabel(fig) and "learning rate" in _axes_by_ylabel(fig)
+    plots.plt.close(fig)
+
+
+def _two_group_run(path, second_lr):
+    """Two param groups, lr 0.05 and `second_lr`, both divided by 10 at step 3 (StepLR): six recorded steps."""
+    torch.manual_seed(0)
+    model = MLP()
+    opt = torch.optim.SGD([{"params": model.fc1.parameters()},
+                           {"params": model.fc2.parameters(), "lr": second_lr}], lr=0.05)
+    with upd.record(path, model, opt, every=None, stats_every=1):
+        train_steps(model, opt, steps=6, scheduler=torch.optim.lr_scheduler.StepLR(opt, step_size=3, gamma=0.1))
+    return path
+
+
+def test_groups_with_one_schedule_are_one_labelled_lr_line_and_its_values_are_readable(tmp_path):
+    fig, _, _ = _figure(_two_group_run(tmp_path / "same.h5", second_lr=0.05))
+    lr_ax = _axes_by_ylabel(fig)["learning rate"]
+    (line,) = lr_ax.get_lines()  # drawn apart, group 1's line hid group 0's
+    assert line.get_label() == "group 0 = group 1"
+    assert [t.get_text() for t in lr_ax.get_legend().get_texts()] == ["group 0 = group 1"]
+    np.testing.assert_allclose(line.get_ydata(), [0.05] * 3 + [0.005] * 3)
+    fig.canvas.draw()
+    # 0.005..0.05 on a log scale holds one power of ten: minor ticks between are labelled
+    minor = [t.get_text() for t in lr_ax.get_yticklabels(minor=True) if t.get_text()]
+    assert minor, "only the major tick is labelled"
+    plots.plt.close(fig)
+    fig, _, _ = _figure(_two_group_run(tmp_path / "apart.h5", second_lr=0.01))
+    lr_ax = _axes_by_ylabel(fig)["learning rate"]
+    assert [line.get_label() for line in lr_ax.get_lines()] == ["group 0", "group 1"]
     plots.plt.close(fig)
 
 

@@ -22,7 +22,7 @@ import numpy as np  # noqa: E402
 import pandas as pd  # noqa: E402
 import torch  # noqa: E402
 from matplotlib.colors import Normalize  # noqa: E402
-from matplotlib.ticker import MaxNLocator, NullFormatter  # noqa: E402
+from matplotlib.ticker import LogFormatterSciNotation, MaxNLocator, NullFormatter  # noqa: E402
 
 from ..runfile import schema, tensor_blocks  # noqa: E402
 from ..safe_text import plot_label  # noqa: E402
@@ -119,7 +119,8 @@ def step_edges(steps: np.ndarray) -> np.ndarray:
 
 def lr_series(ratios: pd.DataFrame, params: pd.DataFrame) -> dict[str, tuple[np.ndarray, np.ndarray]]:
     """{label: (steps, lr)} per (optimizer, param group), from the ratios table: it has the lr of every step the
-    ratios cover (statistics mode: every step), where the records alone may be sparse."""
+    ratios cover (statistics mode: every step), where the records alone may be sparse. Groups whose schedules are
+    the same at every step are one series ("group 0 = group 1"): drawn apart, the last hid the others."""
     groups = {(r.optimizer, r.param): (0 if r.group is None or r.group != r.group else int(r.group))
               for r in params.itertuples()}
     if ratios.empty:
@@ -132,7 +133,24 @@ def lr_series(ratios: pd.DataFrame, params: pd.DataFrame) -> dict[str, tuple[np.
     for (opt, group), df in table.groupby(["optimizer", "group"], sort=True):
         label = (f"opt{opt} " if multi_opt else "") + f"group {group}"
         series[label] = (df["step"].to_numpy(), df["lr"].to_numpy(dtype=float))
-    return series
+    return same_series_merged(series)
+
+
+SAME_SERIES = " = "  # joins the labels of series drawn as one (same_series_merged)
+
+
+def same_series_merged(series: dict[str, tuple[np.ndarray, np.ndarray]]) -> dict[str, tuple[np.ndarray, np.ndarray]]:
+    """The series, those with the same steps and values (NaN equal to NaN) joined under one label "a = b", in the
+    order of their first."""
+    merged: list[tuple[list[str], tuple[np.ndarray, np.ndarray]]] = []
+    for label, (steps, values) in series.items():
+        for labels, (s, v) in merged:
+            if np.array_equal(s, steps) and np.array_equal(v, values, equal_nan=True):
+                labels.append(label)
+                break
+        else:
+            merged.append(([label], (steps, values)))
+    return {SAME_SERIES.join(labels): data for labels, data in merged}
 
 
 def scalar_series(scalars: pd.DataFrame | None, name: str) -> dict[str, tuple[np.ndarray, np.ndarray]]:
@@ -157,11 +175,17 @@ def _plot_series(ax, steps, values, **kwargs):
 
 
 def _log_scale_if_spread(ax, values: list) -> None:
-    """A log y scale when the positive values span a factor 5 or more (a decaying lr), major labels only."""
+    """A log y scale when the positive values span a factor 5 or more (a decaying lr). Under two decades a power
+    of ten or two is all the major ticks show (a warm-up to 6e-4 decayed to 6e-5 read "1e-4" alone), so some minor
+    ticks are labelled too; beyond, major labels only."""
     finite = np.concatenate([v[np.isfinite(v)] for v in values]) if values else np.zeros(0)
     if len(finite) and finite.min() > 0 and finite.max() / finite.min() >= 5:
         ax.set_yscale("log")
-        ax.yaxis.set_minor_formatter(NullFormatter())
+        if finite.max() / finite.min() < 100:
+            ax.yaxis.set_minor_formatter(LogFormatterSciNotation(labelOnlyBase=False, minor_thresholds=(2, 0.5)))
+            ax.tick_params(axis="y", which="minor", labelsize=7)
+        else:
+            ax.yaxis.set_minor_formatter(NullFormatter())
 
 
 def _draw_side_series(ax, series: dict, ylabel: str, log_when_spread: bool, held: bool = False) -> None:
@@ -172,7 +196,7 @@ def _draw_side_series(ax, series: dict, ylabel: str, log_when_spread: bool, held
     ax.set_ylabel(ylabel)
     if log_when_spread:
         _log_scale_if_spread(ax, [v for _, v in series.values()])
-    if len(series) > 1:
+    if len(series) > 1 or any(SAME_SERIES in label for label in series):  # one line for several groups: say so
         ax.legend(fontsize=7, loc="upper right", ncol=min(4, len(series)))
     ax.grid(alpha=0.3)
 
@@ -553,8 +577,9 @@ def compare_figure(ratios: dict, params: dict, keys: list, column: str, *, scala
                              drawstyle="steps-post" if name == "learning rate" else "default")
                 all_steps.append(steps)
         _log_scale_if_spread(ax, [v for series in per_run.values() for _, v in series.values()])
-        ax.set_title(name + (" (dashed: group 1, ...)" if name == "learning rate" and any(
-            len(s) > 1 for s in per_run.values()) else ""), fontsize=8)
+        several = [list(s) for s in per_run.values() if len(s) > 1] if name == "learning rate" else []
+        ax.set_title(name + (" (" + ", ".join(f"{style}: {group}" for style, group in zip(
+            ("solid", "dashed", "dotted", "dash-dot"), several[0])) + ")" if several else ""), fontsize=8)
     weight_axes = flat[len(context):len(context) + len(chosen)]
     drawn = []
     for ax, key in zip(weight_axes, chosen):
