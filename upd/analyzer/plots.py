@@ -547,6 +547,10 @@ COMPARE_MAX_PANELS = 36  # weight panels; beyond: the flagged ones, those the ru
 RUN_COLOURS = plt.get_cmap("tab10").colors
 
 
+# A run's param groups in the compare figure's lr panel: (matplotlib style, the name its title gives it).
+GROUP_LINE_STYLES = (("-", "solid"), ("--", "dashed"), (":", "dotted"), ("-.", "dash-dot"))
+
+
 def compare_figure(ratios: dict, params: dict, keys: list, column: str, *, scalars: dict | None = None,
                    thresholds: Thresholds | None = None, guide: float | None = None, priority: set = frozenset(),
                    spread: dict | None = None):
@@ -573,13 +577,14 @@ def compare_figure(ratios: dict, params: dict, keys: list, column: str, *, scala
         for label, series in per_run.items():
             for i, (series_label, (steps, values)) in enumerate(series.items()):
                 _plot_series(ax, steps, values, color=colours[label], linewidth=1.1,
-                             linestyle=("-", "--", ":", "-.")[i % 4],
+                             linestyle=GROUP_LINE_STYLES[i % len(GROUP_LINE_STYLES)][0],
                              drawstyle="steps-post" if name == "learning rate" else "default")
                 all_steps.append(steps)
         _log_scale_if_spread(ax, [v for series in per_run.values() for _, v in series.values()])
         several = [list(s) for s in per_run.values() if len(s) > 1] if name == "learning rate" else []
-        ax.set_title(name + (" (" + ", ".join(f"{style}: {group}" for style, group in zip(
-            ("solid", "dashed", "dotted", "dash-dot"), several[0])) + ")" if several else ""), fontsize=8)
+        styles = ", ".join(f"{style}: {group}" for (_, style), group in zip(GROUP_LINE_STYLES, several[0])) \
+            if several else ""
+        ax.set_title(name + (f" ({styles})" if styles else ""), fontsize=8)
     weight_axes = flat[len(context):len(context) + len(chosen)]
     drawn = []
     for ax, key in zip(weight_axes, chosen):
